@@ -1,0 +1,3 @@
+from codraft.cli import main
+
+raise SystemExit(main())

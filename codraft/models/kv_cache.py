@@ -1,0 +1,62 @@
+"""A preallocated KV cache whose rows have their own lengths.
+
+Row b holds valid keys at positions [0, lengths[b]). A forward with the cache
+writes the keys of its tokens at their positions and lets a query at position p
+see keys at positions <= p, so stale entries past a row's length are never
+read: rolling a row back is just lowering its length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from codraft.models.args import ModelArgs
+
+
+class KVCache:
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch_size: int,
+        max_len: int,
+        *,
+        num_layers: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        num_layers = args.num_layers if num_layers is None else num_layers
+        shape = (num_layers, batch_size, args.num_kv_heads, max_len, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, Hkv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [B, Hkv, t, D] of tokens at positions [B, t]."""
+        index = positions[:, None, :, None].expand_as(k)
+        self.k[layer].scatter_(2, index, k)
+        self.v[layer].scatter_(2, index, v)
+
+    def advance(self, n: torch.Tensor | int) -> None:
+        """Keep the next `n` (per row, [B] or scalar) tokens written by the last forward."""
+        self.lengths += n
+
+    def rollback(self, lengths: torch.Tensor) -> None:
+        """Shorten rows to `lengths` [B] (never longer than they are)."""
+        assert bool((lengths <= self.lengths).all()), "rollback cannot extend a row"
+        self.lengths.copy_(lengths)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not in `rows` (indices), e.g. when generation of a row is done."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.lengths = self.lengths[rows]
+
+    def reset(self) -> None:
+        self.lengths.zero_()

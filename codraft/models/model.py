@@ -1,0 +1,224 @@
+"""The policy: a Llama / Qwen2 / Qwen3 family decoder in plain PyTorch.
+
+One module serves every use: a packed (varlen) training forward, batched
+prefill / decode / verify with a KV cache, and one pipeline stage (a contiguous
+range of layers, with or without embedding and head). Any layer's output can
+be returned as a "tap" from the same forward.
+
+Module and parameter names follow Hugging Face's, without the `model.` prefix,
+so checkpoints map one to one and a stage's state dict is a slice of the full one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codraft.models.args import ModelArgs
+from codraft.models.kv_cache import KVCache
+from codraft.models.rope import RotaryEmbedding, apply_rotary
+
+# (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens [N+1]) -> out [T, H, D]
+PackedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def packed_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each packed sequence, one SDPA call per sequence."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H, S, D]
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [B, S, V]; None for a stage without head
+    hidden: torch.Tensor  # [B, S, hidden] residual stream after the last layer (before the final norm)
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> [B, S, hidden]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        h, d = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.packed_attention: PackedAttention = packed_causal_sdpa  # parallelisms swap this from outside
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: _AttentionContext) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if ctx.cu_seqlens is not None:  # packed: [1, T, ...]
+            out = self.packed_attention(q[0], k[0], v[0], ctx.cu_seqlens).unsqueeze(0)
+            return self.o_proj(out.reshape(B, S, -1))
+
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, S, D]
+        if ctx.cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            ctx.cache.write(ctx.layer_slot, ctx.positions, k, v)
+            keys = ctx.cache.k[ctx.layer_slot, :, :, : ctx.kv_len]
+            values = ctx.cache.v[ctx.layer_slot, :, :, : ctx.kv_len]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: _AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class _AttentionContext:
+    """What attention needs besides q/k/v, computed once per forward."""
+
+    positions: torch.Tensor  # [B, S]
+    cu_seqlens: torch.Tensor | None = None
+    cache: KVCache | None = None
+    kv_len: int = 0  # cache columns that any query of this forward may see
+    mask: torch.Tensor | None = None  # [B, 1, S, kv_len] bool, key visible to query
+    layer_slot: int = 0  # index of the current layer inside the cache
+
+
+class Transformer(nn.Module):
+    """The whole decoder, or the pipeline stage holding layers [first_layer, last_layer).
+
+    `embed`/`head` default to whether the stage starts at layer 0 / ends at the last layer.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        layers: tuple[int, int] | None = None,
+        embed: bool | None = None,
+        head: bool | None = None,
+    ):
+        super().__init__()
+        self.args = args
+        self.first_layer, self.last_layer = layers or (0, args.num_layers)
+        if not 0 <= self.first_layer < self.last_layer <= args.num_layers:
+            raise ValueError(f"layers={layers} is not a non-empty range within [0, {args.num_layers})")
+        embed = self.first_layer == 0 if embed is None else embed
+        head = self.last_layer == args.num_layers if head is None else head
+
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in range(self.first_layer, self.last_layer)})
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if head else None
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if head else None
+        if head and embed and args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(args)
+
+    @property
+    def layer_ids(self) -> range:
+        return range(self.first_layer, self.last_layer)
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache:
+        param = next(self.parameters())
+        return KVCache(
+            self.args, batch_size, max_len, num_layers=len(self.layers), dtype=param.dtype, device=param.device
+        )
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        taps: Iterable[int] = (),
+        compute_logits: bool = True,
+    ) -> ModelOutput:
+        """Run the stage.
+
+        inputs: token ids [B, S] (stage with embedding) or hidden states [B, S, hidden].
+        cu_seqlens: packed mode, B == 1 and attention is causal within each sequence.
+        cache: positions default to `cache.lengths[:, None] + arange(S)`; the cache's
+            lengths are NOT advanced here — the caller decides what to keep.
+        taps: layer ids whose outputs to return; ids outside this stage are ignored.
+        """
+        x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        B, S = x.shape[:2]
+        positions = self._positions(B, S, x.device, cu_seqlens, cache) if positions is None else positions
+        ctx = _AttentionContext(positions=positions, cu_seqlens=cu_seqlens, cache=cache)
+        if cache is not None:
+            ctx.kv_len = int(positions.max()) + 1
+            key_pos = torch.arange(ctx.kv_len, device=x.device)
+            ctx.mask = key_pos[None, None, None, :] <= positions[:, None, :, None]
+        cos, sin = self.rotary(positions, x.dtype)
+
+        wanted = set(taps)
+        tapped: dict[int, torch.Tensor] = {}
+        for slot, (name, layer) in enumerate(self.layers.items()):
+            ctx.layer_slot = slot
+            x = layer(x, cos, sin, ctx)
+            if int(name) in wanted:
+                tapped[int(name)] = x
+        logits = self.logits(x) if (self.lm_head is not None and compute_logits) else None
+        return ModelOutput(logits=logits, hidden=x, taps=tapped)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + head over residual-stream states [..., hidden]."""
+        return self.lm_head(self.norm(hidden))
+
+    @staticmethod
+    def _positions(
+        B: int, S: int, device: torch.device, cu_seqlens: torch.Tensor | None, cache: KVCache | None
+    ) -> torch.Tensor:
+        steps = torch.arange(S, device=device)
+        if cu_seqlens is not None:
+            assert B == 1, "packed inputs are [1, T]"
+            starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
+            return (steps - starts).unsqueeze(0)
+        if cache is not None:
+            return cache.lengths[:, None] + steps
+        return steps.expand(B, S)

@@ -1,0 +1,122 @@
+"""Logging, the run directory, per-step metrics (metrics.jsonl + TensorBoard) and progress bars."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from codraft.config import save_config
+
+log = logging.getLogger(__name__)
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes through ``tqdm.write`` so a log line does not tear an active progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
+def setup_logging(level: str = "info") -> None:
+    """Log codraft at ``level`` to stderr; other libraries stay at warning. Safe to call again."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:
+        root.removeHandler(handler)
+    handler = _TqdmHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("codraft").setLevel(level.upper())
+
+
+def progress(iterable_or_total: Iterable[Any] | int, desc: str = "", *, force: bool = False, **kwargs: Any) -> tqdm:
+    """A tqdm bar on stderr, off when stderr is not a terminal (CI logs stay readable) unless ``force``."""
+    kwargs.update(desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not (force or sys.stderr.isatty()))
+    if isinstance(iterable_or_total, int):
+        return tqdm(total=iterable_or_total, **kwargs)
+    return tqdm(iterable_or_total, **kwargs)
+
+
+def prepare_run_dir(cfg: Any, command: str) -> Path:
+    """Create the run directory (``runs/<command>-<timestamp>`` unless ``run.dir`` is set) and save
+    the resolved config there as ``config.yaml``."""
+    if cfg.run.dir is None:
+        base = f"runs/{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg.run.dir, n = base, 1
+        while Path(cfg.run.dir).exists():  # two runs started in the same second
+            cfg.run.dir, n = f"{base}-{n}", n + 1
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    log.info("run dir: %s", run_dir)
+    return run_dir
+
+
+class MetricsLogger:
+    """One JSON object per step in ``<run_dir>/metrics.jsonl`` (``step`` first), mirrored to TensorBoard.
+
+    Non-finite values are written as null and counted in ``non_finite`` (warned once per name).
+    """
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self.non_finite: Counter[str] = Counter()
+        self._writer = _open_tensorboard(Path(run_dir)) if tensorboard else None
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        assert "step" not in metrics, "pass the step as the step argument"
+        row: dict[str, float | None] = {"step": step}
+        for name, value in metrics.items():
+            value = float(value)
+            if not math.isfinite(value):
+                if not self.non_finite[name]:
+                    log.warning(
+                        "metric %s is %s at step %d; written as null (counted, not warned again)", name, value, step
+                    )
+                self.non_finite[name] += 1
+                row[name] = None
+                continue
+            row[name] = value
+            if self._writer is not None:
+                self._writer.add_scalar(name, value, step)
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._file.flush()  # a crashed run keeps every step it logged
+
+    def close(self) -> None:
+        if self._file.closed:
+            return
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.non_finite:
+            log.warning(
+                "%d non-finite metric values written as null: %s", sum(self.non_finite.values()), dict(self.non_finite)
+            )
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _open_tensorboard(run_dir: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in torch and tensorboard
+    except ImportError as e:
+        log.warning("TensorBoard unavailable (%s); metrics go to metrics.jsonl only", e)
+        return None
+    return SummaryWriter(log_dir=str(run_dir), flush_secs=10)

@@ -1,0 +1,50 @@
+"""The Drafter protocol: how any draft source plugs into the rollout engine.
+
+The engine owns the target's KV cache; a drafter owns whatever state it needs
+(token history, its own KV cache, features) and keeps it in step through three
+calls per verify step:
+
+    propose(pending, k)      -> up to k tokens per row (and their distributions)
+    commit(tokens, kept, taps) after verification: the tokens now in the target's
+                              cache and the target's taps for them
+    keep_rows(rows)          when the engine drops finished rows from the batch
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from codraft.rollout.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, k] long (entries past `lengths` are ignored)
+    lengths: torch.Tensor  # [B] long, valid proposals per row, <= k
+    probs: torch.Tensor | None = None  # [B, k, V] draft distributions; None = point masses
+
+
+class Drafter:
+    """Base class; subclasses override what they need.
+
+    `tap_layers`: target layers whose outputs (residual stream) the drafter reads;
+    the engine asks the target to return them on every forward.
+    """
+
+    tap_layers: tuple[int, ...] = ()
+
+    def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams) -> None:
+        """A new batch. `taps[layer]` is [B, P, H] for the right-padded prompts."""
+
+    def propose(self, pending: torch.Tensor, k: int) -> Proposal:
+        """pending [B]: the last emitted token of each row (not yet in the target's cache)."""
+        raise NotImplementedError
+
+    def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
+        """tokens [B, t] were fed to the target; the first kept[b] of row b are now in its
+        cache (the pending token plus the accepted drafts). taps[layer]: [B, t, H]."""
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Only `rows` (indices into the current batch) continue."""

@@ -1,0 +1,64 @@
+"""What one generate call did: acceptance, work, time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RolloutStats:
+    rows: int = 0
+    tokens_generated: int = 0
+    target_forwards: int = 0  # verify/decode forwards after prefill
+    row_verifies: int = 0  # sum over forwards of the rows in them
+    tokens_from_verifies: int = 0  # tokens emitted by those forwards (1 + accepted per row)
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    k_chosen: list[int] = field(default_factory=list)  # k of each verify step
+    malformed_proposals: int = 0
+    time_prefill_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_total_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """tau: tokens emitted per target forward, per row (1 = no speculation gain)."""
+        return self.tokens_from_verifies / max(self.row_verifies, 1)
+
+    @property
+    def accept_rate_per_position(self) -> list[float]:
+        return [
+            a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position, strict=True)
+        ]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.time_total_s if self.time_total_s > 0 else 0.0
+
+    def count_positions(self, proposed: list[int], accepted: list[int]) -> None:
+        grow = len(proposed) - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i, (p, a) in enumerate(zip(proposed, accepted, strict=True)):
+            self.proposed_per_position[i] += p
+            self.accepted_per_position[i] += a
+
+    def summary(self) -> dict[str, float]:
+        out = {
+            "spec/acceptance_length": self.acceptance_length,
+            "spec/draft_tokens": float(self.draft_tokens_proposed),
+            "spec/accepted_tokens": float(self.draft_tokens_accepted),
+            "rollout/tokens": float(self.tokens_generated),
+            "rollout/target_forwards": float(self.target_forwards),
+            "rollout/tokens_per_s": self.tokens_per_s,
+            "time/prefill_s": self.time_prefill_s,
+            "time/draft_s": self.time_draft_s,
+            "time/verify_s": self.time_verify_s,
+            "time/generate_s": self.time_total_s,
+        }
+        out |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(self.accept_rate_per_position)}
+        return out

@@ -1,0 +1,133 @@
+"""The decoder's modes agree with each other: cache decode, verify+rollback, packed, stages."""
+
+import torch
+
+from codraft.models import ModelArgs, Transformer
+
+
+def tiny(**overrides) -> Transformer:
+    torch.manual_seed(0)
+    args = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4, num_kv_heads=2)
+    args.update(overrides)
+    return Transformer(ModelArgs(**args)).double().eval()
+
+
+def full_logits(model: Transformer, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]
+
+
+@torch.no_grad()
+def test_cache_decode_token_by_token_matches_full_forward_ragged():
+    model = tiny(qk_norm=True, attention_bias=True)
+    seqs = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 2, 3, 40, 41, 42, 43, 44, 45, 46, 47]]
+    prompt_lens = torch.tensor([3, 6])
+    cache = model.new_cache(batch_size=2, max_len=32)
+    prompts = torch.tensor([s[:6] for s in seqs])  # row 0 is right-padded with its own later tokens
+    out = model(prompts, cache=cache)
+    cache.lengths.copy_(prompt_lens)
+    for b, s in enumerate(seqs):
+        torch.testing.assert_close(out.logits[b, prompt_lens[b] - 1], full_logits(model, s)[prompt_lens[b] - 1])
+    for _ in range(4):
+        nxt = torch.tensor([[seqs[b][int(cache.lengths[b])]] for b in range(2)])
+        step = model(nxt, cache=cache)
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(step.logits[b, 0], full_logits(model, s)[int(cache.lengths[b])])
+        cache.advance(1)
+
+
+@torch.no_grad()
+def test_verify_chunks_with_rollback_match_full_forward():
+    model = tiny()
+    seqs = [list(range(10, 30)), list(range(40, 61))]
+    cache = model.new_cache(batch_size=2, max_len=40)
+    model(torch.tensor([s[:4] for s in seqs]), cache=cache)
+    cache.lengths.fill_(4)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        lens = cache.lengths.clone()
+        chunk = []
+        for b, s in enumerate(seqs):  # true next token, then 3 tokens that are wrong from a random point on
+            true = s[int(lens[b]) : int(lens[b]) + 4]
+            cut = int(torch.randint(1, 4, (1,), generator=gen))
+            chunk.append(true[:cut] + [0] * (4 - cut))
+        chunk = torch.tensor(chunk)
+        out = model(chunk, cache=cache, taps=[1])
+        accepted = []
+        for b, s in enumerate(seqs):
+            ref = full_logits(model, s)
+            n_ok = int((chunk[b] == torch.tensor(s[int(lens[b]) : int(lens[b]) + 4])).cumprod(0).sum())
+            torch.testing.assert_close(out.logits[b, :n_ok], ref[int(lens[b]) : int(lens[b]) + n_ok])
+            accepted.append(n_ok)
+        cache.advance(torch.tensor(accepted) + 1)  # keep the accepted tokens plus one wrong one ...
+        cache.rollback(cache.lengths - 1)  # ... then roll it back again
+
+
+@torch.no_grad()
+def test_packed_forward_equals_separate_forwards():
+    model = tiny(qk_norm=True)
+    seqs = [list(range(3, 10)), list(range(20, 23)), list(range(50, 62))]
+    packed = torch.tensor([sum(seqs, [])])
+    cu = torch.tensor([0, 7, 10, 22])
+    out = model(packed, cu_seqlens=cu, taps=[2])
+    for s, (a, b) in zip(seqs, [(0, 7), (7, 10), (10, 22)], strict=True):
+        alone = model(torch.tensor([s]), taps=[2])
+        torch.testing.assert_close(out.logits[0, a:b], alone.logits[0])
+        torch.testing.assert_close(out.taps[2][0, a:b], alone.taps[2][0])
+
+
+def test_stages_compose_to_the_full_model():
+    model = tiny(tie_word_embeddings=False)
+    stages = [
+        Transformer(model.args, layers=(0, 1)),
+        Transformer(model.args, layers=(1, 3)),
+        Transformer(model.args, layers=(3, 4)),
+    ]
+    full_state = model.state_dict()
+    for stage in stages:
+        stage.double().load_state_dict({k: full_state[k] for k in stage.state_dict()})
+    ids = torch.randint(0, 97, (2, 9))
+    ref = model(ids, taps=[0, 2, 3])
+    x, taps = ids, {}
+    for stage in stages:
+        out = stage(x, taps=[0, 2, 3])
+        x, taps = out.hidden, taps | out.taps
+    torch.testing.assert_close(out.logits, ref.logits)
+    assert sorted(taps) == [0, 2, 3]
+    for i in taps:
+        torch.testing.assert_close(taps[i], ref.taps[i])
+    assert stages[0].lm_head is None and stages[1].embed_tokens is None and stages[2].embed_tokens is None
+
+
+def test_taps_match_transformers_hidden_states():
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    model = Transformer(
+        ModelArgs(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            rms_norm_eps=cfg.rms_norm_eps,
+        )
+    )
+    model.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()})
+    ids = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True)
+        out = model(ids, taps=range(4))
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    for layer in range(3):  # HF's last hidden state is after the final norm; taps are pre-norm
+        torch.testing.assert_close(out.taps[layer], ref.hidden_states[layer + 1], atol=1e-5, rtol=1e-5)

@@ -1,0 +1,49 @@
+import torch
+
+from codraft.models import ModelArgs, Transformer
+from codraft.rollout.drafter import Drafter, Proposal
+
+
+def tiny_model(vocab_size: int = 64, sharpen: float = 1.0, seed: int = 0, **overrides) -> Transformer:
+    """Random tiny decoder; `sharpen` scales the head so distributions are far from uniform."""
+    torch.manual_seed(seed)
+    args = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        eos_token_id=[1],
+        max_position_embeddings=512,
+    )
+    args.update(overrides)
+    model = Transformer(ModelArgs(**args)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpen)
+    return model
+
+
+class SkewedDrafter(Drafter):
+    """A deliberately poor drafter: draws from a fixed random distribution unrelated to the target.
+
+    With `point_mass`, proposes the same draws as point masses (no probs).
+    """
+
+    def __init__(self, vocab_size: int, seed: int = 123, point_mass: bool = False):
+        g = torch.Generator().manual_seed(seed)
+        self.q = (torch.randn(vocab_size, generator=g) * 2).softmax(-1)
+        self.g = torch.Generator().manual_seed(seed + 1)
+        self.point_mass = point_mass
+        self.rows = 0
+
+    def start(self, prompts, taps, params):
+        self.rows = len(prompts)
+
+    def propose(self, pending, k):
+        tokens = torch.multinomial(self.q.expand(self.rows, -1), k, replacement=True, generator=self.g)
+        probs = None if self.point_mass else self.q.expand(self.rows, k, -1).clone()
+        return Proposal(tokens=tokens, lengths=torch.full((self.rows,), k), probs=probs)
+
+    def keep_rows(self, rows):
+        self.rows = rows.numel()

@@ -1,0 +1,162 @@
+"""Batched generation: greedy equivalences, ragged rows, log-probs, bad input."""
+
+import logging
+
+import pytest
+import torch
+
+from codraft.rollout import Proposal, SamplingParams, generate
+from codraft.rollout.drafters import NgramDrafter, PreviousRolloutDrafter
+from codraft.rollout.sampling import probabilities
+from tests.rollout.conftest import SkewedDrafter, tiny_model
+
+PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 10, 11, 12, 13], [20]]
+
+
+def model_for_greedy():
+    return tiny_model(vocab_size=48, sharpen=3.0, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    [NgramDrafter(), SkewedDrafter(48), SkewedDrafter(48, point_mass=True)],
+    ids=["ngram", "skewed-probs", "skewed-point-mass"],
+)
+def test_greedy_speculative_equals_greedy_plain(drafter):
+    model = model_for_greedy()
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=24, stop_token_ids=[1, 2])
+    spec = generate(
+        model,
+        PROMPTS,
+        drafter=drafter,
+        num_speculative_tokens=3,
+        temperature=0,
+        max_new_tokens=24,
+        stop_token_ids=[1, 2],
+    )
+    assert spec.tokens == plain.tokens
+    assert spec.finish_reasons == plain.finish_reasons
+    assert spec.stats.target_forwards > 0
+
+
+def test_ragged_batch_equals_rows_alone():
+    model = model_for_greedy()
+    stops = [5, 9, 30]  # rows stop at different times
+    kw = dict(drafter=NgramDrafter(), num_speculative_tokens=4, temperature=0, max_new_tokens=16, stop_token_ids=stops)
+    batch = generate(model, PROMPTS, **kw)
+    for i, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], **kw)
+        assert batch.tokens[i] == alone.tokens[0]
+        assert batch.finish_reasons[i] == alone.finish_reasons[0]
+        torch.testing.assert_close(torch.tensor(batch.logprobs[i]), torch.tensor(alone.logprobs[0]))
+    assert len(set(map(len, batch.tokens))) > 1, "rows should finish at different times"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(0.0)])
+def test_logprobs_equal_a_fresh_full_forward(params):
+    model = tiny_model(vocab_size=48, sharpen=2.0, tie_word_embeddings=False)
+    out = generate(
+        model,
+        PROMPTS,
+        drafter=SkewedDrafter(48),
+        num_speculative_tokens=3,
+        max_new_tokens=12,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        stop_token_ids=[1],
+        seed=3,
+    )
+    for prompt, gen, logp in zip(PROMPTS, out.tokens, out.logprobs, strict=True):
+        seq = torch.tensor([prompt + gen])
+        with torch.no_grad():
+            p = probabilities(model(seq).logits[0, len(prompt) - 1 : -1], params)
+        ref = p.gather(-1, torch.tensor(gen)[:, None]).squeeze(-1).log()
+        torch.testing.assert_close(torch.tensor(logp), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_stop_token_ends_a_row_and_length_caps_it():
+    model = model_for_greedy()
+    free = generate(model, [PROMPTS[1]], temperature=0, max_new_tokens=10, stop_token_ids=[])
+    stop = free.tokens[0][3]
+    out = generate(model, [PROMPTS[1]], drafter=NgramDrafter(), temperature=0, max_new_tokens=10, stop_token_ids=[stop])
+    cut = free.tokens[0].index(stop) + 1
+    assert out.tokens[0] == free.tokens[0][:cut] and out.finish_reasons == ["stop"]
+    assert free.finish_reasons == ["length"] and len(free.tokens[0]) == 10
+
+
+def test_previous_rollout_drafter_replays_the_last_completion():
+    model = model_for_greedy()
+    first = generate(model, PROMPTS, temperature=0, max_new_tokens=20, stop_token_ids=[])
+    drafter = PreviousRolloutDrafter()
+    drafter.remember(PROMPTS, first.tokens)
+    again = generate(
+        model, PROMPTS, drafter=drafter, num_speculative_tokens=6, temperature=0, max_new_tokens=20, stop_token_ids=[]
+    )
+    assert again.tokens == first.tokens
+    assert again.stats.acceptance_length == pytest.approx(7.0, abs=1.5)  # nearly every draft accepted
+
+
+def test_adaptive_speculation_keeps_greedy_output():
+    model = model_for_greedy()
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=24)
+    spec = generate(
+        model,
+        PROMPTS,
+        drafter=NgramDrafter(),
+        num_speculative_tokens=4,
+        temperature=0,
+        max_new_tokens=24,
+        adaptive=True,
+    )
+    assert spec.tokens == plain.tokens
+    assert set(spec.stats.k_chosen) <= set(range(5))
+
+
+class Broken(SkewedDrafter):
+    def __init__(self, vocab_size, fault):
+        super().__init__(vocab_size)
+        self.fault = fault
+
+    def propose(self, pending, k):
+        p = super().propose(pending, k)
+        if self.fault == "nan":
+            p.probs[:, 0, 0] = float("nan")
+        elif self.fault == "vocab":
+            p.tokens[:, 0] = 10_000
+        elif self.fault == "shape":
+            return Proposal(tokens=p.tokens[:, :1].T, lengths=p.lengths, probs=None)
+        elif self.fault == "zero-sum":
+            p.probs.zero_()
+        return p
+
+
+@pytest.mark.parametrize("fault", ["nan", "vocab", "shape", "zero-sum"])
+def test_malformed_proposals_fall_back_to_plain_decoding(fault, caplog):
+    model = model_for_greedy()
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=8)
+    with caplog.at_level(logging.WARNING):
+        out = generate(model, PROMPTS, drafter=Broken(48, fault), temperature=0, max_new_tokens=8)
+    assert out.tokens == plain.tokens
+    assert out.stats.malformed_proposals > 0
+    assert "drafter proposal rejected" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(prompts=[]), "prompts is empty"),
+        (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
+        (dict(prompts=[[1] * 600]), r"prompts\[0\] has 600 tokens"),
+        (dict(prompts=[[1, 99]]), "outside"),
+        (dict(num_speculative_tokens=-1), "num_speculative_tokens must be >= 0"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    ],
+)
+def test_bad_input_is_a_clear_value_error(kwargs, message):
+    model = model_for_greedy()
+    call = dict(prompts=[[3, 4]], drafter=NgramDrafter()) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate(model, call.pop("prompts"), **call)

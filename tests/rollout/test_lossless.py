@@ -1,0 +1,93 @@
+"""Speculative sampling must leave the target's distribution exactly as it is.
+
+The exact joint distribution of the first three generated tokens is enumerated
+from the target; 16k speculative samples drawn with a deliberately poor drafter
+are compared to it with a chi-square test. Each test fails by chance with
+probability 1e-3 (its stated false-alarm rate); seeds are fixed, so a given
+build either passes or fails deterministically.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from codraft.rollout import SamplingParams, generate
+from codraft.rollout.sampling import probabilities
+from tests.rollout.conftest import SkewedDrafter, tiny_model
+
+V, PROMPT, N, ALPHA = 8, [2, 5, 3], 16000, 1e-3
+
+
+def exact_joint(model, params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) as [V, V, V]."""
+    t1, t2 = torch.meshgrid(torch.arange(V), torch.arange(V), indexing="ij")
+    seqs = torch.cat([torch.tensor(PROMPT).expand(V * V, -1), t1.reshape(-1, 1), t2.reshape(-1, 1)], dim=1)
+    with torch.no_grad():
+        p = probabilities(model(seqs).logits[:, len(PROMPT) - 1 :], params)  # [V*V, 3, V]
+    p1 = p[0, 0]  # the same for every row
+    p2 = p[torch.arange(V) * V, 1]  # [t1, V]
+    p3 = p[:, 2].view(V, V, V)  # [t1, t2, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sampled_counts(model, drafter, params: SamplingParams, draws: int, seed: int) -> torch.Tensor:
+    counts = torch.zeros(V, V, V)
+    for call in range(draws // 4000):
+        out = generate(
+            model,
+            [PROMPT] * 4000,
+            drafter=drafter,
+            num_speculative_tokens=2,
+            max_new_tokens=4,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=[],
+            seed=seed + call,
+        )
+        first3 = torch.tensor([t[:3] for t in out.tokens])
+        counts.index_put_((first3[:, 0], first3[:, 1], first3[:, 2]), torch.ones(len(first3)), accumulate=True)
+    return counts
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = (probs * counts.sum()).flatten().double()
+    observed = counts.flatten().double()
+    assert observed[expected == 0].sum() == 0, "sampled a sequence the target gives probability 0"
+    keep = expected > 0
+    expected, observed = expected[keep], observed[keep]
+    # pool rare cells (and fold the pool into the smallest cell if still rare) so the approximation holds
+    small = expected < 5
+    exp, obs = expected[~small], observed[~small]
+    if small.any():
+        exp = torch.cat([exp, expected[small].sum()[None]])
+        obs = torch.cat([obs, observed[small].sum()[None]])
+        if exp[-1] < 5:
+            i = int(exp[:-1].argmin())
+            exp[i], obs[i] = exp[i] + exp[-1], obs[i] + obs[-1]
+            exp, obs = exp[:-1], obs[:-1]
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize(
+    "params,point_mass",
+    [
+        (SamplingParams(1.0), False),
+        (SamplingParams(1.0), True),
+        (SamplingParams(0.9, top_p=0.8), False),
+        (SamplingParams(1.0, top_k=5), True),
+    ],
+    ids=["t1-probs", "t1-point-mass", "top_p-probs", "top_k-point-mass"],
+)
+def test_speculative_samples_follow_the_target_distribution(params, point_mass):
+    model = tiny_model(vocab_size=V, sharpen=2.0, tie_word_embeddings=False)
+    drafter = SkewedDrafter(V, point_mass=point_mass)
+    counts = sampled_counts(model, drafter, params, N, seed=7)
+    assert chi_square_pvalue(counts, exact_joint(model, params)) > ALPHA
+
+
+def test_chi_square_detects_a_wrong_distribution():
+    """The test above can fail: plain sampling at another temperature is caught."""
+    model = tiny_model(vocab_size=V, sharpen=2.0, tie_word_embeddings=False)
+    counts = sampled_counts(model, None, SamplingParams(1.3), N, seed=7)
+    assert chi_square_pvalue(counts, exact_joint(model, SamplingParams(1.0))) < ALPHA

@@ -1,0 +1,210 @@
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+
+from codraft.config import Config, ConfigError, config_to_dict, load_config, require, save_config
+
+
+@pytest.fixture
+def presets(monkeypatch):
+    """The preset names from codraft.models.presets; a stand-in module until that file lands."""
+    try:
+        from codraft.models.presets import PRESETS
+    except ImportError:
+        PRESETS = {"smollm2-135m": None, "tiny-llama": None, "tiny-qwen3": None}
+        monkeypatch.setitem(sys.modules, "codraft.models.presets", types.SimpleNamespace(PRESETS=PRESETS))
+    return list(PRESETS)
+
+
+def error(yaml_path=None, overrides=(), cls=Config) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(yaml_path, list(overrides), cls=cls)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_load_and_validate(presets):
+    cfg = load_config(None, [])
+    assert cfg == Config()
+    assert cfg.model.path in presets
+    assert cfg.run.dir is None and cfg.generate.drafter == "none"
+
+
+def test_overrides_of_nested_values_are_coerced(presets):
+    cfg = load_config(
+        None,
+        [
+            "generate.temperature=0.5",
+            "generate.top_k=20",
+            "run.tensorboard=false",
+            "generate.adaptive=no",
+            "parallel.dp=2",
+            "model.dtype=bfloat16",
+            "model.device=cuda:1",
+            "run.dir=/tmp/x",
+        ],
+    )
+    assert cfg.generate.temperature == 0.5 and isinstance(cfg.generate.temperature, float)
+    assert cfg.generate.top_k == 20 and cfg.parallel.dp == 2
+    assert cfg.run.tensorboard is False and cfg.generate.adaptive is False
+    assert (cfg.model.dtype, cfg.model.device, cfg.run.dir) == ("bfloat16", "cuda:1", "/tmp/x")
+
+
+def test_override_int_for_float_and_later_override_wins(presets):
+    cfg = load_config(None, ["generate.temperature=2", "generate.temperature=0"])
+    assert cfg.generate.temperature == 0.0 and isinstance(cfg.generate.temperature, float)
+
+
+@dataclass
+class TapsConfig:
+    layers: list[int] = field(default_factory=lambda: [1, 2])
+    names: list[str] = field(default_factory=list)
+    limit: int | None = 3
+
+    def validate(self) -> None:
+        require(all(i >= 0 for i in self.layers), "taps.layers", "non-negative layer ids", self.layers)
+
+
+@dataclass
+class ExtendedConfig(Config):
+    """Adding a section is adding a field."""
+
+    taps: TapsConfig = field(default_factory=TapsConfig)
+
+
+def test_overrides_of_lists_and_null(presets):
+    cfg = load_config(None, ["taps.layers=[3, 7, 11]", "taps.names=[a, b]", "taps.limit=null"], cls=ExtendedConfig)
+    assert cfg.taps == TapsConfig(layers=[3, 7, 11], names=["a", "b"], limit=None)
+    assert load_config(None, ["taps.limit=5", "taps.layers=[]"], cls=ExtendedConfig).taps.limit == 5
+    run_dir = load_config(None, ["run.dir=null"]).run.dir
+    assert run_dir is None
+
+
+def test_bad_list_names_key_and_element(presets):
+    assert error(overrides=["taps.layers=3"], cls=ExtendedConfig) == (
+        "config key 'taps.layers' expects list[int] (e.g. [1, 2]), got 3"
+    )
+    assert error(overrides=["taps.layers=[1, x]"], cls=ExtendedConfig) == (
+        "config key 'taps.layers[1]' expects int, got 'x'"
+    )
+    assert "taps.layers" in error(overrides=["taps.layers=[-1]"], cls=ExtendedConfig)
+
+
+def test_unknown_override_key_names_key_and_valid_keys(presets):
+    message = error(overrides=["generate.temprature=0.5"])
+    assert message.startswith("unknown config key 'generate.temprature'; valid keys in 'generate': ")
+    assert "max_new_tokens, temperature, top_p" in message
+    assert message.endswith("(did you mean 'temperature'?)")
+
+
+def test_unknown_section_names_valid_sections(presets):
+    message = error(overrides=["genrate.temperature=0.5"])
+    assert message == (
+        "unknown config key 'genrate.temperature'; valid keys at top level: "
+        "run, model, generate, parallel (did you mean 'generate'?)"
+    )
+
+
+def test_unknown_yaml_key_gets_the_same_error(presets, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("generate:\n  temprature: 0.5\n")
+    assert error(path) == error(overrides=["generate.temprature=0.5"])
+
+
+def test_yaml_then_overrides(presets, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("generate:\n  temperature: 0.7\n  top_p: 0.9\n  drafter: eagle3\nrun:\nparallel: {cp: 2}\n")
+    cfg = load_config(path, ["generate.top_p=0.8"])
+    assert (cfg.generate.temperature, cfg.generate.top_p, cfg.generate.drafter) == (0.7, 0.8, "eagle3")
+    assert cfg.parallel.cp == 2 and cfg.run == Config().run
+
+
+def test_bad_type_names_key_and_expected_type(presets, tmp_path):
+    assert error(overrides=["generate.top_k=abc"]) == "config key 'generate.top_k' expects int, got 'abc'"
+    assert error(overrides=["generate.top_k=1.5"]) == "config key 'generate.top_k' expects int, got '1.5'"
+    assert error(overrides=["run.tensorboard=maybe"]) == "config key 'run.tensorboard' expects bool, got 'maybe'"
+    assert error(overrides=["generate.top_p=high"]) == "config key 'generate.top_p' expects float, got 'high'"
+    assert load_config(None, ["run.dir=007"]).run.dir == "007"  # a str keeps the raw text
+    path = tmp_path / "c.yaml"
+    path.write_text("generate:\n  batch_size: true\n")
+    assert error(path) == "config key 'generate.batch_size' expects int, got True"
+
+
+def test_bad_literal_lists_the_choices(presets):
+    assert error(overrides=["generate.drafter=foo"]) == (
+        "config key 'generate.drafter' must be one of: none, ngram, eagle3, dflash, dspark (got 'foo')"
+    )
+    assert "float32, bfloat16, float16" in error(overrides=["model.dtype=fp8"])
+
+
+def test_missing_model_path_names_path_and_presets(presets):
+    message = error(overrides=["model.path=xyz"])
+    assert message == (
+        f"model.path: 'xyz' is neither a preset ({', '.join(presets)}) nor an existing file or directory"
+    )
+    assert "tiny-llama" in message and "smollm2-135m" in message
+
+
+def test_existing_model_path_is_accepted(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert load_config(None, [f"model.path={gguf}"]).model.path == str(gguf)
+    assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("generate.temperature=-0.1", "generate.temperature"),
+        ("generate.top_p=0", "generate.top_p"),
+        ("generate.top_p=1.5", "generate.top_p"),
+        ("generate.top_p=nan", "generate.top_p"),
+        ("generate.num_speculative_tokens=-1", "generate.num_speculative_tokens"),
+        ("generate.max_new_tokens=0", "generate.max_new_tokens"),
+        ("parallel.cp=0", "parallel.cp"),
+    ],
+)
+def test_range_checks_name_the_key(presets, override, key):
+    assert error(overrides=[override]).startswith(f"config key '{key}' must be ")
+
+
+def test_range_check_message(presets):
+    assert error(overrides=["generate.top_p=0"]) == "config key 'generate.top_p' must be in (0, 1] (got 0.0)"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("generate", "override 'generate' must look like key=value (e.g. generate.temperature=0.7)"),
+        ("=3", "override '=3' must look like key=value (e.g. generate.temperature=0.7)"),
+        (
+            "generate=3",
+            "config key 'generate' is a section; set one of its keys: max_new_tokens, temperature, top_p, "
+            "top_k, num_speculative_tokens, drafter, adaptive, batch_size, chat_template",
+        ),
+        ("generate.top_k.x=3", "config key 'generate.top_k' is a value, not a section; cannot set 'generate.top_k.x'"),
+    ],
+)
+def test_malformed_overrides(presets, override, expected):
+    assert error(overrides=[override]) == expected
+
+
+def test_bad_yaml_files(presets, tmp_path):
+    assert error(tmp_path / "missing.yaml").startswith(f"cannot read config file '{tmp_path / 'missing.yaml'}'")
+    path = tmp_path / "c.yaml"
+    path.write_text("generate: 3\n")
+    assert error(path) == "config section 'generate' must be a mapping of keys, got 3"
+    path.write_text("- 1\n")
+    assert error(path) == "config file must be a mapping of keys, got [1]"
+    path.write_text("generate: {top_k: [\n")
+    assert error(path).startswith(f"config file '{path}' is not valid YAML: ")
+
+
+def test_save_config_round_trip(presets, tmp_path):
+    cfg = load_config(None, ["generate.temperature=0", "run.dir=runs/x", "taps.limit=null"], cls=ExtendedConfig)
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", [], cls=ExtendedConfig) == cfg
+    assert config_to_dict(cfg)["taps"] == {"layers": [1, 2], "names": [], "limit": None}
