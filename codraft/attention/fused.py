@@ -1,0 +1,202 @@
+"""Fused branch attention on one device: main, branch-prefix and branch-local parts as kernel calls.
+
+Main queries: one causal kernel call per packed sequence. Branch queries: two partials,
+merged in fp32 with `merge_attention`:
+  prefix  the anchor's sequence prefix (main keys up to the anchor), non-causal over it;
+  local   the group's own branch-local keys under the group mask (all groups in one call).
+The EAGLE-3 TTT shape (one query per group, group t anchored at main position t) makes the
+prefix part a causal call of the branch queries over each sequence (shifted by one for
+exclusive anchors) instead of T tiny calls. Otherwise groups are batched per sequence: one
+call over the longest prefix, with a key mask that cuts each group at its own anchor.
+
+Backward (the ring-attention trick): each partial's backward is the kernel's backward called
+with the FINAL merged out O and LSE L. For a query row, P_j = exp(s_j - L) over all keys j of
+all partials, dS_j = P_j (dO . v_j - delta) with delta = dO . O = sum_j P_j (dO . v_j) over ALL
+keys; the kernel recomputes exactly these P_j and delta from the (O, L) it is given, so each
+partial's dQ, dK, dV is its exact share of the gradient of the whole softmax.
+"""
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+import torch
+
+from codraft.attention.branches import AttentionOutput, Branches, acc_dtype, default_scale
+from codraft.attention.kernels import (
+    Segment,
+    attn_bwd,
+    attn_fwd,
+    causal_segments_bwd,
+    causal_segments_fwd,
+    expand_kv,
+    reduce_kv,
+)
+from codraft.attention.merge import merge_attention
+
+
+@dataclass
+class PrefixCall:
+    """The groups anchored in one sequence, attending its first `length` main keys from k0."""
+
+    groups: torch.Tensor  # [n] group indices, each with a non-empty prefix
+    k0: int
+    length: int  # the longest prefix among these groups
+    mask: torch.Tensor | None  # [n * Qg, length] bool, key j < the row's own prefix length; None if all equal
+
+
+@dataclass
+class Plan:
+    """Host-side schedule of the kernel calls, built once from cu_seqlens and the anchors."""
+
+    scale: float
+    main: list[Segment]
+    prefix_segments: list[Segment] | None = None  # TTT shape: causal segments of branch queries over main keys
+    prefix_calls: list[PrefixCall] | None = None  # otherwise: one masked call per sequence
+    local_mask: torch.Tensor | None = None  # [Qg, Kg] bool
+
+
+def build_plan(cu_seqlens: torch.Tensor, branches: Branches | None, scale: float) -> Plan:
+    cu = cu_seqlens.tolist()
+    main = [(s, s, e - s) for s, e in zip(cu[:-1], cu[1:], strict=True) if e > s]
+    plan = Plan(scale, main)
+    if branches is None:
+        return plan
+    plan.local_mask = branches.mask
+    G, Qg = branches.q.shape[:2]
+    T, shift = cu[-1], 0 if branches.inclusive else 1
+    anchors = branches.anchors.tolist()
+    if Qg == 1 and G == T and anchors == list(range(T)):  # EAGLE-3 TTT: branch t anchored at main position t
+        plan.prefix_segments = [(s + shift, s, n - shift) for s, _, n in main if n > shift]
+        return plan
+    by_seq: dict[int, list[int]] = {}
+    for g, a in enumerate(anchors):
+        by_seq.setdefault(bisect_right(cu, a) - 1, []).append(g)
+    plan.prefix_calls = []
+    device = branches.q.device
+    for i, groups in sorted(by_seq.items()):
+        lengths = [(anchors[g] - cu[i] + 1 - shift, g) for g in groups]
+        lengths = [(n, g) for n, g in lengths if n > 0]  # an exclusive anchor at a sequence start sees no main key
+        if not lengths:
+            continue
+        n_keys = torch.tensor([n for n, _ in lengths], device=device)
+        length = int(n_keys.max())
+        mask = None
+        if int(n_keys.min()) != length:
+            mask = torch.arange(length, device=device)[None, :] < n_keys[:, None]  # [n, length]
+            mask = mask.repeat_interleave(Qg, dim=0)  # [n * Qg, length]
+        groups_t = torch.tensor([g for _, g in lengths], device=device)
+        plan.prefix_calls.append(PrefixCall(groups_t, cu[i], length, mask))
+    return plan
+
+
+def _prefix_fwd(bq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Branch queries [G, Qg, H, D] over their anchors' main prefixes -> out [G, Qg, H, D], lse [G, Qg, H]."""
+    G, Qg, H, D = bq.shape
+    if plan.prefix_segments is not None:
+        out, lse = causal_segments_fwd(bq[:, 0], k, v, plan.prefix_segments, scale=plan.scale)
+        return out[:, None], lse[:, None]
+    out = bq.new_zeros(G, Qg, H, D)
+    lse = bq.new_full((G, Qg, H), float("-inf"), dtype=acc_dtype(bq.dtype))
+    for c in plan.prefix_calls:
+        n, keys = len(c.groups), slice(c.k0, c.k0 + c.length)
+        o, lse_ = attn_fwd(
+            bq[c.groups].reshape(1, n * Qg, H, D), k[None, keys], v[None, keys], scale=plan.scale, mask=c.mask
+        )
+        out[c.groups], lse[c.groups] = o.view(n, Qg, H, D), lse_.view(n, Qg, H)
+    return out, lse
+
+
+def _prefix_bwd(dbout, bq, k, v, bout, blse, plan: Plan, dbq, dk, dv) -> None:
+    """Accumulates the prefix part's gradients into dbq [G, Qg, H, D] and dk/dv [T, H, D] of the H-head main K/V
+    it is given (fp32/fp64 buffers)."""
+    G, Qg, H, D = bq.shape
+    if plan.prefix_segments is not None:
+        g = causal_segments_bwd(
+            dbout[:, 0], bq[:, 0], k, v, bout[:, 0], blse[:, 0], plan.prefix_segments, scale=plan.scale
+        )
+        dbq[:, 0] += g[0]
+        dk += g[1]
+        dv += g[2]
+        return
+    for c in plan.prefix_calls:
+        n, keys = len(c.groups), slice(c.k0, c.k0 + c.length)
+        rows = (1, n * Qg, H, D)
+        gq, gk, gv = attn_bwd(
+            dbout[c.groups].reshape(rows),
+            bq[c.groups].reshape(rows),
+            k[None, keys],
+            v[None, keys],
+            bout[c.groups].reshape(rows),
+            blse[c.groups].reshape(1, n * Qg, H),
+            scale=plan.scale,
+            mask=c.mask,
+        )
+        dbq[c.groups] += gq.view(n, Qg, H, D)
+        dk[keys] += gk[0]
+        dv[keys] += gv[0]
+
+
+class BranchAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bq, bk, bv, plan: Plan):
+        # q [T, H, D] or None, k/v [T, Hkv, D]; bq [G, Qg, H, D], bk/bv [G, Kg, Hkv, D] or all None
+        out = lse = bout = blse = None
+        H = (bq if q is None else q).shape[-2]
+        ke, ve = expand_kv(k, H), expand_kv(v, H)  # [T, H, D], shared by the main and prefix calls
+        if q is not None:
+            out, lse = causal_segments_fwd(q, ke, ve, plan.main, scale=plan.scale)
+        if bq is not None:
+            pre_out, pre_lse = _prefix_fwd(bq, ke, ve, plan)
+            loc_out, loc_lse = attn_fwd(bq, bk, bv, scale=plan.scale, mask=plan.local_mask)
+            bout, blse = merge_attention(pre_out, pre_lse, loc_out, loc_lse)  # fp32 (fp64)
+            bout = bout.to(bq.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, bq, bk, bv, out, lse, bout, blse)
+        ctx.set_materialize_grads(False)
+        return out, lse, bout, blse
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dbout, dblse):
+        for d in (dlse, dblse):
+            if d is not None and bool(d.any()):
+                raise NotImplementedError("fused attention does not backpropagate through the LSE; use impl='dense'")
+        q, k, v, bq, bk, bv, out, lse, bout, blse = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        dtype = acc_dtype(k.dtype)
+        dq = dbq = dbk = dbv = None
+        H, Hkv = (bq if q is None else q).shape[-2], k.shape[1]
+        ke, ve = expand_kv(k, H), expand_kv(v, H)
+        dk = torch.zeros(ke.shape, dtype=dtype, device=k.device)  # gradients of the expanded K/V, [T, H, D]
+        dv = torch.zeros(ve.shape, dtype=dtype, device=v.device)
+        if q is not None and dout is not None:
+            dq, dk_, dv_ = causal_segments_bwd(dout, q, ke, ve, out, lse, plan.main, scale=plan.scale)
+            dk += dk_
+            dv += dv_
+            dq = dq.to(q.dtype)
+        elif q is not None:
+            dq = torch.zeros_like(q)
+        if bq is not None:
+            if dbout is None:
+                dbq, dbk, dbv = torch.zeros_like(bq), torch.zeros_like(bk), torch.zeros_like(bv)
+            else:
+                dbq = torch.zeros(bq.shape, dtype=dtype, device=bq.device)
+                _prefix_bwd(dbout, bq, ke, ve, bout, blse, plan, dbq, dk, dv)
+                gq, dbk, dbv = attn_bwd(dbout, bq, bk, bv, bout, blse, scale=plan.scale, mask=plan.local_mask)
+                dbq = (dbq + gq).to(bq.dtype)
+        dk, dv = reduce_kv(dk, Hkv).to(k.dtype), reduce_kv(dv, Hkv).to(v.dtype)
+        return dq, dk, dv, dbq, dbk, dbv, None
+
+
+def fused_branch_attention(
+    q: torch.Tensor | None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    branches: Branches | None = None,
+    *,
+    scale: float | None = None,
+) -> AttentionOutput:
+    plan = build_plan(cu_seqlens, branches, default_scale(k, scale))
+    bq, bk, bv = (None, None, None) if branches is None else (branches.q, branches.k, branches.v)
+    out, lse, bout, blse = BranchAttentionFn.apply(q, k, v, bq, bk, bv, plan)
+    return AttentionOutput(out, lse, bout, blse)
