@@ -158,6 +158,10 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(args)
 
+    def init_buffers(self, device: torch.device | str) -> None:
+        """(Re)build non-persistent buffers, e.g. after materialising a model built on the meta device."""
+        self.rotary = RotaryEmbedding(self.args).to(device)
+
     @property
     def layer_ids(self) -> range:
         return range(self.first_layer, self.last_layer)

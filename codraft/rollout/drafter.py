@@ -35,8 +35,11 @@ class Drafter:
 
     tap_layers: tuple[int, ...] = ()
 
-    def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams) -> None:
-        """A new batch. `taps[layer]` is [B, P, H] for the right-padded prompts."""
+    def start(
+        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int
+    ) -> None:
+        """A new batch. `taps[layer]` is [B, P, H] for the right-padded prompts; no row will
+        ever hold more than `max_len` tokens (prompt + output + speculation)."""
 
     def propose(self, pending: torch.Tensor, k: int) -> Proposal:
         """pending [B]: the last emitted token of each row (not yet in the target's cache)."""

@@ -126,7 +126,7 @@ def generate(
     probs = probabilities(model.logits(out.hidden[torch.arange(B), prompt_lens - 1]), params)
     pending = sample(probs, generator)
     if drafter is not None:
-        drafter.start(prompts, out.taps, params)
+        drafter.start(prompts, out.taps, params, cache.max_len)
     stats.time_prefill_s = time.perf_counter() - start
 
     width = max_new_tokens + k_max + 1

@@ -34,7 +34,9 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.histories: list[list[int]] = []
 
-    def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams) -> None:
+    def start(
+        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int
+    ) -> None:
         self.histories = [list(p) for p in prompts]
 
     def continuation(self, row: int, history: list[int], k: int) -> list[int]:

@@ -27,8 +27,10 @@ class PreviousRolloutDrafter(NgramDrafter):
         for prompt, completion in zip(prompts, completions, strict=True):
             self.memory[tuple(prompt)] = list(completion)
 
-    def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams) -> None:
-        super().start(prompts, taps, params)
+    def start(
+        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int
+    ) -> None:
+        super().start(prompts, taps, params, max_len)
         self.previous = [self.memory.get(tuple(p), []) for p in prompts]
         self.prompt_lens = [len(p) for p in prompts]
 
