@@ -19,7 +19,7 @@ import torch
 from codraft.models import KVCache, Transformer
 from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal
-from codraft.rollout.sampling import SamplingParams, probabilities, sample
+from codraft.rollout.sampling import SamplingParams, draw, probabilities
 from codraft.rollout.stats import RolloutStats
 from codraft.rollout.verify import verify
 
@@ -123,8 +123,7 @@ def generate(
     cache = model.new_cache(B, ids.shape[1] + max_new_tokens + k_max + 1)
     out = model(ids, cache=cache, taps=taps, compute_logits=False)
     cache.lengths.copy_(prompt_lens)
-    probs = probabilities(model.logits(out.hidden[torch.arange(B), prompt_lens - 1]), params)
-    pending = sample(probs, generator)
+    pending, first_logprob = draw(model.logits(out.hidden[torch.arange(B), prompt_lens - 1]), params, generator)
     if drafter is not None:
         drafter.start(prompts, out.taps, params, cache.max_len)
     stats.time_prefill_s = time.perf_counter() - start
@@ -133,7 +132,7 @@ def generate(
     tokens = torch.zeros(B, width, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, width, device=device)
     tokens[:, 0] = pending
-    logprobs[:, 0] = probs.gather(-1, pending[:, None]).squeeze(-1).log()
+    logprobs[:, 0] = first_logprob
     n_out = torch.ones(B, dtype=torch.long, device=device)
     rows = torch.arange(B, device=device)  # original index of each live row
     results: list[tuple[list[int], list[float], str] | None] = [None] * B
@@ -183,21 +182,22 @@ def generate(
         else:
             feed = pending[:, None]
         fwd = model(feed, cache=cache, taps=taps)
-        target = probabilities(fwd.logits, params)  # [B, k+1, V]
         if proposal is not None:
+            target = probabilities(fwd.logits, params)  # [B, k+1, V]
             draft_probs = proposal.probs[:, :k] if proposal.probs is not None else None
             verdict = verify(drafts, num_drafts, draft_probs, target, generator)
             accepted, nxt = verdict.num_accepted, verdict.next_token
             emitted = torch.cat([drafts, nxt[:, None]], dim=1)
             emitted[torch.arange(live, device=device), accepted] = nxt
+            emitted_logprobs = target.gather(-1, emitted[..., None]).squeeze(-1).log()
         else:
             accepted = torch.zeros(live, dtype=torch.long, device=device)
-            nxt = sample(target[:, 0], generator)
-            emitted = nxt[:, None]
+            nxt, nxt_logprob = draw(fwd.logits[:, 0], params, generator)
+            emitted, emitted_logprobs = nxt[:, None], nxt_logprob[:, None]
         # positions past `accepted` hold junk that later steps overwrite
         cols = n_out[:, None] + torch.arange(k + 1, device=device)
         tokens.scatter_(1, cols, emitted)
-        logprobs.scatter_(1, cols, target.gather(-1, emitted[..., None]).squeeze(-1).log())
+        logprobs.scatter_(1, cols, emitted_logprobs)
         cache.advance(accepted + 1)
         if drafter is not None:
             drafter.commit(feed, accepted + 1, fwd.taps)

@@ -53,3 +53,17 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One draw per row of probs [..., V] -> [...] long."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """One token per row of logits [..., V] and its log-prob under the target distribution.
+
+    The plain-decoding fast path: greedy needs no distribution over the vocab
+    (the point mass gives log-prob 0).
+    """
+    if params.greedy:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, device=logits.device)
+    probs = probabilities(logits, params)
+    tokens = sample(probs, generator)
+    return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1).log()
