@@ -14,7 +14,9 @@ from codraft.config import ConfigError, load_config
 from codraft.observability import setup_logging
 
 # name -> (help, "module:function")
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("generate completions (plain or speculative decoding)", "codraft.commands.generate:main"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

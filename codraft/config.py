@@ -68,8 +68,18 @@ class GenerateConfig:
     adaptive: bool = True  # adapt the number of speculative tokens to the acceptance rate
     batch_size: int = 8
     chat_template: bool = True
+    prompt: str | None = None  # one prompt; or
+    prompts_file: str | None = None  # JSONL with a "prompt" field per line
+    draft_path: str | None = None  # exported draft directory, for learned drafters
 
     def validate(self) -> None:
+        if self.prompts_file is not None and not Path(self.prompts_file).is_file():
+            raise ConfigError(f"generate.prompts_file: '{self.prompts_file}' is not a file")
+        if self.drafter in ("eagle3", "dflash", "dspark") and self.draft_path is None:
+            raise ConfigError(
+                f"generate.draft_path is required for generate.drafter={self.drafter} "
+                "(an exported draft directory, e.g. from `codraft draft-train`)"
+            )
         require(self.max_new_tokens >= 1, "generate.max_new_tokens", ">= 1", self.max_new_tokens)
         require(self.temperature >= 0, "generate.temperature", ">= 0", self.temperature)
         require(0 < self.top_p <= 1, "generate.top_p", "in (0, 1]", self.top_p)

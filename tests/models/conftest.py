@@ -43,10 +43,6 @@ _GGUF_BLOCK = {
 }
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "integration: loads a real checkpoint shipped by a package (slower)")
-
-
 @pytest.fixture
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "cache"
