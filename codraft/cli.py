@@ -16,6 +16,11 @@ from codraft.observability import setup_logging
 # name -> (help, "module:function")
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate completions (plain or speculative decoding)", "codraft.commands.generate:main"),
+    "bench": ("run a benchmark: writes results/<name>.json, a Markdown table and plots", "codraft.commands.bench:main"),
+}
+# commands that take one positional choice, mapped onto a config key
+POSITIONALS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "bench": ("bench.benchmark", ("rollout", "attention", "draft", "e2e", "tapchannel")),
 }
 
 
@@ -27,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="<command>", required=True)
     for name, (help_text, _) in COMMANDS.items():
         sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name in POSITIONALS:
+            key, choices = POSITIONALS[name]
+            sub.add_argument("positional", choices=choices, metavar="{" + ",".join(choices) + "}", help=key)
         sub.add_argument("--config", metavar="FILE.yaml", help="YAML config, applied before the overrides")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. generate.temperature=0.7")
     return parser
@@ -44,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     module, function = COMMANDS[args.command][1].split(":")
     try:
-        cfg = load_config(args.config, args.overrides + rest)
+        overrides = args.overrides + rest
+        if args.command in POSITIONALS:
+            overrides.append(f"{POSITIONALS[args.command][0]}={args.positional}")
+        cfg = load_config(args.config, overrides)
         setup_logging(cfg.run.log_level)
         return getattr(importlib.import_module(module), function)(cfg) or 0
     except ConfigError as e:

@@ -102,11 +102,27 @@ class ParallelConfig:
 
 
 @dataclass
+class BenchConfig:
+    benchmark: Literal["rollout", "attention", "draft", "e2e", "tapchannel"] = "rollout"
+    out_dir: str = "results"
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
+    max_new_tokens: int = 48
+    repeats: int = 3  # interleaved repeats; medians are reported
+    num_speculative_tokens: int = 4
+
+    def validate(self) -> None:
+        require(all(b >= 1 for b in self.batch_sizes), "bench.batch_sizes", "all >= 1", self.batch_sizes)
+        require(self.repeats >= 1, "bench.repeats", ">= 1", self.repeats)
+        require(self.max_new_tokens >= 2, "bench.max_new_tokens", ">= 2", self.max_new_tokens)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from codraft.rollout.sampling import SamplingParams
 
 @dataclass
 class Proposal:
-    tokens: torch.Tensor  # [B, k] long (entries past `lengths` are ignored)
+    tokens: torch.Tensor  # [B, k'] long, k' <= k (entries past `lengths` are ignored)
     lengths: torch.Tensor  # [B] long, valid proposals per row, <= k
     probs: torch.Tensor | None = None  # [B, k, V] draft distributions; None = point masses
 
@@ -36,10 +36,16 @@ class Drafter:
     tap_layers: tuple[int, ...] = ()
 
     def start(
-        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int
+        self,
+        prompts: list[list[int]],
+        taps: dict[int, torch.Tensor],
+        params: SamplingParams,
+        max_len: int,
+        generator: torch.Generator | None = None,
     ) -> None:
         """A new batch. `taps[layer]` is [B, P, H] for the right-padded prompts; no row will
-        ever hold more than `max_len` tokens (prompt + output + speculation)."""
+        ever hold more than `max_len` tokens (prompt + output + speculation). Drafters that
+        sample draw from `generator`, so a seeded generate call is reproducible."""
 
     def propose(self, pending: torch.Tensor, k: int) -> Proposal:
         """pending [B]: the last emitted token of each row (not yet in the target's cache)."""

@@ -125,7 +125,7 @@ def generate(
     cache.lengths.copy_(prompt_lens)
     pending, first_logprob = draw(model.logits(out.hidden[torch.arange(B), prompt_lens - 1]), params, generator)
     if drafter is not None:
-        drafter.start(prompts, out.taps, params, cache.max_len)
+        drafter.start(prompts, out.taps, params, cache.max_len, generator)
     stats.time_prefill_s = time.perf_counter() - start
 
     width = max_new_tokens + k_max + 1
@@ -171,6 +171,8 @@ def generate(
                 log.warning("drafter proposal rejected (%s); decoding this step without speculation", problem)
                 stats.malformed_proposals += 1
                 proposal, k = None, 0
+            else:
+                k = min(k, proposal.tokens.shape[1])  # a drafter may propose fewer (a DFlash block holds b-1)
         t_verify = time.perf_counter()
         stats.time_draft_s += t_verify - t_draft
 

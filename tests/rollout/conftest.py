@@ -37,7 +37,7 @@ class SkewedDrafter(Drafter):
         self.point_mass = point_mass
         self.rows = 0
 
-    def start(self, prompts, taps, params, max_len):
+    def start(self, prompts, taps, params, max_len, generator=None):
         self.rows = len(prompts)
 
     def propose(self, pending, k):

@@ -35,7 +35,8 @@ class NgramDrafter(Drafter):
         self.histories: list[list[int]] = []
 
     def start(
-        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int
+        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.histories = [list(p) for p in prompts]
 

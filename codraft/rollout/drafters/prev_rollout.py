@@ -28,9 +28,10 @@ class PreviousRolloutDrafter(NgramDrafter):
             self.memory[tuple(prompt)] = list(completion)
 
     def start(
-        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int
+        self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams, max_len: int,
+        generator: torch.Generator | None = None,
     ) -> None:
-        super().start(prompts, taps, params, max_len)
+        super().start(prompts, taps, params, max_len, generator)
         self.previous = [self.memory.get(tuple(p), []) for p in prompts]
         self.prompt_lens = [len(p) for p in prompts]
 

