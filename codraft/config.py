@@ -101,6 +101,136 @@ class ParallelConfig:
             require(getattr(self, name) >= 1, f"parallel.{name}", ">= 1", getattr(self, name))
 
 
+
+DRAFT_FAMILIES = ("eagle3", "dflash", "dspark")
+DraftLoss = Literal["soft_ce", "hard_ce", "tv"]
+
+
+@dataclass
+class DraftConfig:
+    family: Literal["eagle3", "dflash", "dspark", "none"] = "eagle3"
+    loss: DraftLoss = "soft_ce"  # DSpark mixes ce_weight * CE(loss) + tv_weight * TV
+    tap_layers: list[int] | None = None  # None = the family's default placement
+    # EAGLE-3
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+    draft_vocab_size: int = 8192  # most frequent target tokens; 0 = the whole target vocab
+    # DFlash / DSpark
+    num_layers: int = 2
+    block_size: int = 8
+    num_anchors: int = 16  # per sequence, sampled in the response
+    gamma: float = 8.0  # slot weight exp(-(k-1)/gamma)
+    mask_token_id: int | None = None  # None = a spare id chosen from the vocab
+    # DSpark
+    markov_rank: int = 64
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_head: bool = False
+
+    def validate(self, num_policy_layers: int | None = None) -> None:
+        require(self.ttt_steps >= 1, "draft.ttt_steps", ">= 1", self.ttt_steps)
+        require(self.block_size >= 2, "draft.block_size", ">= 2", self.block_size)
+        require(self.num_layers >= 1, "draft.num_layers", ">= 1", self.num_layers)
+        require(self.num_anchors >= 1, "draft.num_anchors", ">= 1", self.num_anchors)
+        require(self.draft_vocab_size >= 0, "draft.draft_vocab_size", ">= 0", self.draft_vocab_size)
+        require(self.markov_rank >= 1, "draft.markov_rank", ">= 1", self.markov_rank)
+        if self.tap_layers is not None and num_policy_layers is not None:
+            bad = [i for i in self.tap_layers if not 0 <= i < num_policy_layers]
+            require(not bad, "draft.tap_layers", f"layers of the policy, in [0, {num_policy_layers - 1}]", bad)
+
+
+@dataclass
+class TaskConfig:
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: str | None = None  # JSONL {"prompt", "answer"} rows, for kind=jsonl
+    min_operand: int = 0
+    max_operand: int = 20
+    num_terms: int = 2
+    operators: str = "+"
+    reward: str = "correctness"  # a built-in name or "package.module:function"
+    chat_template: bool = True
+
+    def validate(self) -> None:
+        if self.kind == "jsonl" and (self.path is None or not Path(self.path).is_file()):
+            raise ConfigError(f"task.path must name a JSONL file for task.kind=jsonl (got {self.path!r})")
+        require(self.min_operand <= self.max_operand, "task.max_operand", ">= task.min_operand", self.max_operand)
+        require(self.num_terms >= 2, "task.num_terms", ">= 2", self.num_terms)
+        require(bool(self.operators) and set(self.operators) <= set("+-*"), "task.operators", "made of + - *",
+                self.operators)
+
+
+@dataclass
+class RLConfig:
+    steps: int = 40
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher
+    beta: float = 0.0  # KL to a frozen reference; 0 keeps no reference model
+    aggregation: Literal["token-mean", "sequence-mean", "dr-grpo"] = "token-mean"
+    scale_by_std: bool = True
+    filter_zero_variance: bool = False
+    optimizer_steps_per_batch: int = 1
+    is_correction: Literal["none", "tis", "token-clip"] = "tis"
+    is_cap: float = 2.0
+    draft_weight: float = 0.1  # lambda in L = L_RL + lambda * L_draft
+    num_speculative_tokens: int = 4
+    adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
+
+    def validate(self) -> None:
+        require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
+        require(self.prompts_per_step >= 1, "rl.prompts_per_step", ">= 1", self.prompts_per_step)
+        require(self.group_size >= 2, "rl.group_size", ">= 2 (advantages are relative to the group)", self.group_size)
+        require(self.max_new_tokens >= 1, "rl.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.temperature > 0, "rl.temperature", "> 0 (RL samples)", self.temperature)
+        require(0 < self.top_p <= 1, "rl.top_p", "in (0, 1]", self.top_p)
+        require(self.eps_low >= 0 and self.eps_high >= 0, "rl.eps_low/eps_high", ">= 0", (self.eps_low, self.eps_high))
+        require(self.beta >= 0, "rl.beta", ">= 0", self.beta)
+        require(self.optimizer_steps_per_batch >= 1, "rl.optimizer_steps_per_batch", ">= 1",
+                self.optimizer_steps_per_batch)
+        require(self.is_cap >= 1, "rl.is_cap", ">= 1", self.is_cap)
+        require(self.draft_weight >= 0, "rl.draft_weight", ">= 0", self.draft_weight)
+        require(self.num_speculative_tokens >= 0, "rl.num_speculative_tokens", ">= 0", self.num_speculative_tokens)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    draft_lr: float = 1e-3
+    draft_weight_decay: float = 0.0
+    draft_grad_clip: float = 1.0
+    draft_warmup_steps: int = 0
+
+    def validate(self) -> None:
+        for name in ("lr", "draft_lr"):
+            require(getattr(self, name) > 0, f"optim.{name}", "> 0", getattr(self, name))
+        for name in ("weight_decay", "draft_weight_decay", "grad_clip", "draft_grad_clip", "warmup_steps",
+                     "draft_warmup_steps"):
+            require(getattr(self, name) >= 0, f"optim.{name}", ">= 0", getattr(self, name))
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2  # newest checkpoints kept
+    resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
+    draft_init: str | None = None  # an exported draft to start from (e.g. from `codraft draft-train`)
+
+    def validate(self) -> None:
+        require(self.every >= 0, "checkpoint.every", ">= 0", self.every)
+        require(self.keep >= 1, "checkpoint.keep", ">= 1", self.keep)
+        if self.resume is not None and not (Path(self.resume) / "checkpoints").is_dir():
+            raise ConfigError(f"checkpoint.resume: '{self.resume}' is not a run directory with checkpoints/")
+        if self.draft_init is not None and not (Path(self.draft_init) / "config.json").is_file():
+            raise ConfigError(f"checkpoint.draft_init: '{self.draft_init}' is not an exported draft directory")
+
+
 @dataclass
 class BenchConfig:
     benchmark: Literal["rollout", "attention", "draft", "e2e", "tapchannel"] = "rollout"
@@ -123,6 +253,11 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def test_unknown_section_names_valid_sections(presets):
     message = error(overrides=["genrate.temperature=0.5"])
     assert message == (
         "unknown config key 'genrate.temperature'; valid keys at top level: "
-        "run, model, generate, parallel (did you mean 'generate'?)"
+        "run, model, generate, parallel, bench, draft, task, rl, optim, checkpoint (did you mean 'generate'?)"
     )
 
 
@@ -116,9 +116,9 @@ def test_unknown_yaml_key_gets_the_same_error(presets, tmp_path):
 
 def test_yaml_then_overrides(presets, tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("generate:\n  temperature: 0.7\n  top_p: 0.9\n  drafter: eagle3\nrun:\nparallel: {cp: 2}\n")
+    path.write_text("generate:\n  temperature: 0.7\n  top_p: 0.9\n  drafter: ngram\nrun:\nparallel: {cp: 2}\n")
     cfg = load_config(path, ["generate.top_p=0.8"])
-    assert (cfg.generate.temperature, cfg.generate.top_p, cfg.generate.drafter) == (0.7, 0.8, "eagle3")
+    assert (cfg.generate.temperature, cfg.generate.top_p, cfg.generate.drafter) == (0.7, 0.8, "ngram")
     assert cfg.parallel.cp == 2 and cfg.run == Config().run
 
 
@@ -183,7 +183,8 @@ def test_range_check_message(presets):
         (
             "generate=3",
             "config key 'generate' is a section; set one of its keys: max_new_tokens, temperature, top_p, "
-            "top_k, num_speculative_tokens, drafter, adaptive, batch_size, chat_template",
+            "top_k, num_speculative_tokens, drafter, adaptive, batch_size, chat_template, prompt, prompts_file, "
+            "draft_path",
         ),
         ("generate.top_k.x=3", "config key 'generate.top_k' is a value, not a section; cannot set 'generate.top_k.x'"),
     ],

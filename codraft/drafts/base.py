@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from codraft.drafts.config import DraftConfig
+from codraft.config import DraftConfig
 from codraft.drafts.layers import TapFusion
 from codraft.models import KVCache, ModelArgs, Transformer
 from codraft.rollout.drafter import Drafter, Proposal

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from codraft.attention import Branches, branch_attention
+from codraft.config import DraftConfig
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
-from codraft.drafts.config import DraftConfig
 from codraft.drafts.export import draft_config, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean

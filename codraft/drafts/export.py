@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from codraft.config import DraftConfig
 from codraft.drafts.base import DraftModel
-from codraft.drafts.config import DraftConfig
 from codraft.models import Transformer
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from codraft.drafts.config import LossKind
+from codraft.config import DraftLoss as LossKind
 
 
 def draft_loss(

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from codraft.config import DraftConfig
 from codraft.drafts.base import DraftBatch
-from codraft.drafts.config import DraftConfig
 from codraft.drafts.eagle3 import Eagle3Draft, default_tap_layers
 from codraft.drafts.export import export_draft, load_draft
 from codraft.drafts.vocab import build_draft_vocab, count_tokens
