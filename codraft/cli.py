@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from codraft.config import ConfigError, load_config
 from codraft.observability import setup_logging
@@ -16,6 +17,7 @@ from codraft.observability import setup_logging
 # name -> (help, "module:function")
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate completions (plain or speculative decoding)", "codraft.commands.generate:main"),
+    "train": ("GRPO post-training with an online co-trained draft", "codraft.commands.train:main"),
     "bench": ("run a benchmark: writes results/<name>.json, a Markdown table and plots", "codraft.commands.bench:main"),
 }
 # commands that take one positional choice, mapped onto a config key
@@ -35,9 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name in POSITIONALS:
             key, choices = POSITIONALS[name]
             sub.add_argument("positional", choices=choices, metavar="{" + ",".join(choices) + "}", help=key)
+        if name == "train":
+            sub.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
         sub.add_argument("--config", metavar="FILE.yaml", help="YAML config, applied before the overrides")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. generate.temperature=0.7")
     return parser
+
+
+def resume_config(run_dir: str) -> str:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; is it a codraft run directory?")
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         overrides = args.overrides + rest
         if args.command in POSITIONALS:
             overrides.append(f"{POSITIONALS[args.command][0]}={args.positional}")
-        cfg = load_config(args.config, overrides)
+        config_file = args.config
+        if getattr(args, "resume", None):  # the run's own resolved config, then the overrides
+            config_file = config_file or resume_config(args.resume)
+            overrides += [f"checkpoint.resume={args.resume}", f"run.dir={args.resume}"]
+        cfg = load_config(config_file, overrides)
         setup_logging(cfg.run.log_level)
         return getattr(importlib.import_module(module), function)(cfg) or 0
     except ConfigError as e:

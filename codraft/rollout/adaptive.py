@@ -74,8 +74,10 @@ class SpeculationController:
     every `probe_every` steps with a small k so a draft that got better is noticed.
     """
 
-    def __init__(self, max_k: int, prior: float = 0.7, ema: float = 0.1, probe_every: int = 16, probe_k: int = 2):
+    def __init__(self, max_k: int, prior: float = 0.7, ema: float = 0.1, probe_every: int = 16, probe_k: int = 2,
+                 fixed: bool = False):
         self.max_k = max_k
+        self.fixed = fixed  # always max_k; the cost model still learns (for speedup estimates)
         self.accept = [prior] * max_k  # a_i, conditional acceptance at position i
         self.ema = ema
         self.probe_every, self.probe_k = probe_every, probe_k
@@ -96,6 +98,8 @@ class SpeculationController:
         return rows * self.expected_tokens(k) / seconds
 
     def choose(self, rows: int) -> int:
+        if self.fixed:
+            return self.max_k
         rates = [self.tokens_per_second(rows, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rates.__getitem__)
         self.last_predicted_speedup = rates[best] / rates[0]

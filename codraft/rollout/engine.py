@@ -254,6 +254,8 @@ def _count_step(
     stats.target_forwards += 1
     stats.row_verifies += live
     stats.tokens_from_verifies += int(emitted.sum())
+    if controller is not None:  # plain decoding would need emitted/live forwards of `live` rows
+        stats.ar_time_estimate_s += controller.cost(live) * float(emitted.sum()) / live
     stats.k_chosen.append(k)
     if not k:
         if controller is not None:

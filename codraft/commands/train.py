@@ -1,0 +1,50 @@
+"""`codraft train`: GRPO post-training with the draft co-trained in the same step."""
+
+from __future__ import annotations
+
+import logging
+
+from codraft.config import Config
+from codraft.observability import MetricsLogger, prepare_run_dir, progress
+from codraft.rl.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/speedup_vs_ar", "loss/draft",
+           "time/step_s")
+
+
+def main(cfg: Config) -> int:
+    run_dir = prepare_run_dir(cfg, "train")
+    trainer = Trainer(cfg, run_dir)
+    history: list[dict] = []
+    with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) as metrics:
+        bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
+        for _ in bar:
+            step_metrics = trainer.train_step()
+            metrics.log(trainer.step, step_metrics)
+            history.append(step_metrics)
+            live = {"reward": step_metrics["reward/mean"], "tau": step_metrics["spec/acceptance_length"],
+                    "step_s": step_metrics["time/step_s"]}
+            bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
+            log.info("step %d/%d  %s", trainer.step, cfg.rl.steps, "  ".join(f"{k} {v:.3f}" for k, v in live.items()))
+            every = cfg.checkpoint.every
+            if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
+                trainer.save()
+        trainer.save()
+    log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
+    return 0
+
+
+def summary_table(history: list[dict]) -> str:
+    if not history:
+        return "(no steps run)"
+    head, tail = history[:5], history[-5:]
+
+    def mean(rows: list[dict], key: str) -> float:
+        vals = [r[key] for r in rows if key in r and r[key] == r[key]]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    lines = [f"{'metric':<28}{'first 5':>10}{'last 5':>10}"]
+    lines += [f"{k:<28}{mean(head, k):>10.3f}{mean(tail, k):>10.3f}" for k in SUMMARY]
+    return "\n".join(lines)

@@ -1,0 +1,280 @@
+"""GRPO with online draft co-training: L = L_RL(theta) + lambda * L_draft(phi; sg(taps), sg(logits)).
+
+`train_step` reads top to bottom: prompts -> speculative rollout with the current
+policy and draft -> rewards -> group advantages -> ONE packed policy forward that
+yields logits and taps -> RL loss + draft loss -> one backward -> the two
+optimizers step -> refit -> metrics. The draft reads only detached taps and
+logits, so the policy's gradient is exactly what it would be with lambda = 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from codraft.commands.common import load_policy
+from codraft.config import Config, ConfigError, config_to_dict
+from codraft.drafts import DraftBatch, DraftModel, build_draft
+from codraft.drafts.export import load_draft
+from codraft.rl.batch import pack_rollouts, per_sequence, response_logprobs
+from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
+from codraft.rl.grpo import group_advantages, grpo_loss, rewards_tensor, zero_variance_groups
+from codraft.rl.rewards import load_reward_fn, score
+from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask, build_prompt_ids
+from codraft.rollout import SpeculationController, generate
+
+log = logging.getLogger(__name__)
+
+# sections a resumed run must share with the run it continues (rl.steps may grow)
+RESUME_SECTIONS = ("model", "draft", "task", "rl", "optim")
+
+
+def build_task(cfg: Config) -> IndexedTask:
+    t = cfg.task
+    if t.kind == "jsonl":
+        return JsonlTask(t.path, seed=cfg.run.seed)
+    return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)
+
+
+def warmup(steps: int):
+    return lambda step: min(1.0, (step + 1) / steps) if steps else 1.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
+        self.policy, self.tokenizer = load_policy(cfg)
+        self.task = build_task(cfg)
+        self.reward_fn = load_reward_fn(cfg.task.reward)
+        self.draft = self._build_draft()
+        o = cfg.optim
+        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        self.policy_sched = torch.optim.lr_scheduler.LambdaLR(self.policy_opt, warmup(o.warmup_steps))
+        self.draft_opt = self.draft_sched = None
+        if self.draft is not None:
+            self.draft_opt = torch.optim.AdamW(
+                self.draft.parameters(), lr=o.draft_lr, weight_decay=o.draft_weight_decay
+            )
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(o.draft_warmup_steps))
+        rl = cfg.rl
+        # without adaptive k the controller only keeps the cost model behind rollout/speedup_vs_ar
+        self.controller = (
+            SpeculationController(rl.num_speculative_tokens, fixed=not rl.adaptive)
+            if self.draft is not None and rl.num_speculative_tokens
+            else None
+        )
+        self.step = 0
+        self.skipped_draft_steps = 0
+        if cfg.checkpoint.resume is not None:
+            self._resume(Path(cfg.checkpoint.resume))
+
+    def _build_draft(self) -> DraftModel | None:
+        cfg = self.cfg
+        if cfg.draft.family == "none":
+            return None
+        if cfg.checkpoint.draft_init is not None:
+            draft = load_draft(cfg.checkpoint.draft_init, self.policy)
+            if draft.family != cfg.draft.family:
+                raise ConfigError(
+                    f"checkpoint.draft_init holds a {draft.family} draft but draft.family={cfg.draft.family}"
+                )
+            return draft
+        corpus = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in build_task(cfg).sample(256)]
+        return build_draft(cfg.draft, self.policy, self.tokenizer, corpus)
+
+    # --- one step ------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, rl = self.cfg, self.cfg.rl
+        t_step = time.perf_counter()
+
+        # 1. data
+        problems = self.task.sample(rl.prompts_per_step)
+        prompts = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in problems]
+        rows = [p for p in prompts for _ in range(rl.group_size)]
+        row_problems = [p for p in problems for _ in range(rl.group_size)]
+
+        # 2. rollout with the current policy and draft
+        self.policy.eval()
+        rollout = generate(
+            self.policy,
+            rows,
+            drafter=self.draft.drafter() if self.draft is not None else None,
+            num_speculative_tokens=rl.num_speculative_tokens,
+            temperature=rl.temperature,
+            top_p=rl.top_p,
+            max_new_tokens=rl.max_new_tokens,
+            seed=cfg.run.seed * 1_000_003 + self.step,
+            adaptive=self.controller if self.controller is not None else False,
+        )
+        t_rollout = time.perf_counter() - t_step
+
+        # 3. rewards -> group-normalised advantages
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.tokens]
+        rewards, dropped = score(texts, row_problems, self.reward_fn)
+        reward_t = rewards_tensor(rewards)
+        advantages = group_advantages(reward_t, rl.group_size, scale_by_std=rl.scale_by_std)
+        keep = torch.ones(len(rows), dtype=torch.bool)
+        if rl.filter_zero_variance:
+            keep = ~zero_variance_groups(reward_t, rl.group_size)
+
+        # 4-7. one packed forward -> RL + draft loss -> one backward -> optimizer steps
+        t_train = time.perf_counter()
+        train_metrics = self._update(rollout, rows, advantages, keep) if bool(keep.any()) else {}
+        t_train = time.perf_counter() - t_train
+
+        # 8. refit: the engine decodes with these very modules, updated in place; nothing to copy
+        t_refit = time.perf_counter()
+        self.policy.eval()
+        t_refit = time.perf_counter() - t_refit
+
+        self.step += 1
+        stats = rollout.stats
+        finite = reward_t[~reward_t.isnan()]
+        metrics = {
+            "reward/mean": float(finite.mean()) if finite.numel() else float("nan"),
+            "reward/accuracy": float((finite >= 1.0).float().mean()) if finite.numel() else float("nan"),
+            "reward/dropped": float(dropped),
+            "response_length/mean": sum(map(len, rollout.tokens)) / len(rows),
+            "spec/acceptance_length": stats.acceptance_length,
+            "spec/draft_tokens": float(stats.draft_tokens_proposed),
+            "rollout/tokens_per_s": stats.tokens_per_s,
+            "rollout/speedup_vs_ar": stats.speedup_vs_ar,
+            "time/rollout_s": t_rollout,
+            "time/train_s": t_train,
+            "time/refit_s": t_refit,
+            "time/step_s": time.perf_counter() - t_step,
+            "draft/skipped_steps": float(self.skipped_draft_steps),
+        }
+        metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
+        return metrics | train_metrics
+
+    def _update(self, rollout, rows: list[list[int]], advantages: torch.Tensor, keep: torch.Tensor) -> dict:
+        rl, o = self.cfg.rl, self.cfg.optim
+        idx = keep.nonzero().flatten().tolist()
+        batch = pack_rollouts(
+            [rows[i] for i in idx],
+            [rollout.tokens[i] for i in idx],
+            [rollout.logprobs[i] for i in idx],
+            device=next(self.policy.parameters()).device,
+        )
+        adv = advantages[keep].nan_to_num(0.0).to(batch.input_ids.device)
+        inference_lp, mask = per_sequence(batch.inference_logprobs, batch)
+        self.policy.train()
+        old_lp = None
+        metrics: dict[str, float] = {}
+        for _ in range(rl.optimizer_steps_per_batch):
+            taps = self.draft.tap_layers if self.draft is not None else ()
+            out = self.policy(batch.input_ids[None], cu_seqlens=batch.cu_seqlens, taps=taps)
+            logits = out.logits[0]  # [T, V]
+            logprobs, _ = per_sequence(response_logprobs(logits, batch, rl.temperature), batch)
+            old_lp = logprobs.detach() if old_lp is None else old_lp  # the rollout policy's, this batch
+            rl_loss, rl_metrics = grpo_loss(
+                logprobs,
+                old_lp,
+                adv,
+                mask,
+                eps_low=rl.eps_low,
+                eps_high=rl.eps_high,
+                beta=rl.beta,
+                aggregation=rl.aggregation,
+                max_tokens=rl.max_new_tokens,
+                inference_logprobs=inference_lp,
+                is_correction=rl.is_correction,
+                is_cap=rl.is_cap,
+            )
+            if not torch.isfinite(rl_loss):
+                log.warning("non-finite RL loss at step %d: update skipped", self.step)
+                self.policy_opt.zero_grad(set_to_none=True)
+                return {"loss/policy": float("nan")}
+            loss = rl_loss
+            draft_metrics: dict[str, float] = {}
+            if self.draft is not None and rl.draft_weight > 0:
+                draft_loss, draft_metrics = self.draft.loss(
+                    DraftBatch(
+                        input_ids=batch.input_ids,
+                        taps={i: t[0].detach() for i, t in out.taps.items()},
+                        policy_logits=logits.detach(),
+                        loss_mask=batch.response_mask,
+                        cu_seqlens=batch.cu_seqlens,
+                    )
+                )
+                if torch.isfinite(draft_loss):
+                    loss = loss + rl.draft_weight * draft_loss
+                else:  # a broken draft may cost acceptance, never the policy
+                    self.skipped_draft_steps += 1
+                    log.warning("non-finite draft loss at step %d: draft update skipped", self.step)
+                    draft_metrics = {"loss/draft": float("nan")}
+            loss.backward()
+            grad_norm_policy = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip or math.inf)
+            self.policy_opt.step()
+            self.policy_sched.step()
+            self.policy_opt.zero_grad(set_to_none=True)
+            metrics = rl_metrics | draft_metrics | {"grad_norm/policy": float(grad_norm_policy)}
+            if self.draft_opt is not None:
+                grad_norm_draft = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), o.draft_grad_clip or math.inf)
+                self.draft_opt.step()
+                self.draft_sched.step()
+                self.draft_opt.zero_grad(set_to_none=True)
+                metrics["grad_norm/draft"] = float(grad_norm_draft)
+        metrics["entropy"] = float(_entropy(logits.detach(), batch, rl.temperature))
+        return metrics
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def save(self) -> Path:
+        tensors = {"policy": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+        optimizers = {"policy": self.policy_opt.state_dict()}
+        if self.draft is not None:
+            tensors["draft"] = self.draft.state_dict()
+            optimizers["draft"] = self.draft_opt.state_dict()
+        meta = {
+            "task": self.task.state_dict(),
+            "schedulers": {
+                "policy": self.policy_sched.state_dict(),
+                "draft": self.draft_sched.state_dict() if self.draft_sched else None,
+            },
+            "skipped_draft_steps": self.skipped_draft_steps,
+            "config": {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS},
+        }
+        return save_checkpoint(
+            self.run_dir, self.step, tensors=tensors, optimizers=optimizers, meta=meta, keep=self.cfg.checkpoint.keep
+        )
+
+    def _resume(self, run_dir: Path) -> None:
+        ckpt = load_checkpoint(run_dir)
+        meta = ckpt["meta"]
+        now = {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS}
+        saved = meta["config"]
+        now["rl"] = now["rl"] | {"steps": saved["rl"]["steps"]}  # training may be extended
+        diff = [f"{s}.{k}" for s in RESUME_SECTIONS for k in saved.get(s, {}) if saved[s][k] != now[s].get(k)]
+        if diff:
+            raise ConfigError(f"checkpoint.resume: {run_dir} was trained with a different config ({', '.join(diff)})")
+        missing, unexpected = self.policy.load_state_dict(ckpt["tensors"]["policy"], strict=False)
+        tied = {"lm_head.weight"} if self.policy.args.tie_word_embeddings else set()  # stored once, as the embedding
+        if set(missing) - tied or unexpected:
+            raise ConfigError(
+                f"checkpoint.resume: policy weights do not fit (missing {missing}, unexpected {unexpected})"
+            )
+        self.policy_opt.load_state_dict(ckpt["optimizers"]["policy"])
+        self.policy_sched.load_state_dict(meta["schedulers"]["policy"])
+        if self.draft is not None:
+            self.draft.load_state_dict(ckpt["tensors"]["draft"])
+            self.draft_opt.load_state_dict(ckpt["optimizers"]["draft"])
+            self.draft_sched.load_state_dict(meta["schedulers"]["draft"])
+        torch.set_rng_state(ckpt["tensors"]["rng"]["torch"])
+        self.task.load_state_dict(meta["task"])
+        self.skipped_draft_steps = meta["skipped_draft_steps"]
+        self.step = meta["step"]
+        log.info("resumed from %s at step %d", ckpt["path"], self.step)
+
+
+@torch.no_grad()
+def _entropy(logits: torch.Tensor, batch, temperature: float) -> torch.Tensor:
+    """Mean entropy of the policy's sampling distribution over response tokens."""
+    rows = logits[batch.logprob_index].float() / temperature
+    logp = rows.log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1).mean()

@@ -1,0 +1,145 @@
+"""The co-training step: the draft never moves the policy, resume is exact, every metric is written."""
+
+import json
+
+import pytest
+import torch
+
+from codraft.cli import main
+from codraft.config import load_config
+from codraft.rl.trainer import Trainer
+
+DESIGN_METRICS = [
+    "reward/mean",
+    "reward/accuracy",
+    "loss/policy",
+    "loss/draft",
+    "grad_norm/policy",
+    "grad_norm/draft",
+    "kl/train_inference",
+    "token_mult_prob_error",
+    "entropy",
+    "response_length/mean",
+    "spec/acceptance_length",
+    "spec/accept_rate_pos_0",
+    "spec/draft_tokens",
+    "rollout/tokens_per_s",
+    "rollout/speedup_vs_ar",
+    "time/rollout_s",
+    "time/train_s",
+    "time/refit_s",
+    "time/step_s",
+]
+TINY = [
+    "model.path=tiny-llama",
+    "rl.prompts_per_step=2",
+    "rl.group_size=3",
+    "rl.max_new_tokens=6",
+    "task.max_operand=9",
+    "run.tensorboard=false",
+    "rl.adaptive=false",
+    "draft.num_anchors=2",
+    "task.reward=tests.rl.test_trainer:length_reward",
+    "optim.lr=1e-3",
+]
+
+
+def length_reward(completion: str, problem) -> float:
+    """A reward with variance inside groups even for a random policy, so the policy really moves."""
+    return len(completion) / 10
+
+
+def policy_grads(tmp_path, draft_weight: float, family: str) -> tuple[dict, Trainer]:
+    """Policy gradients of one step, taken where the optimizer would apply them."""
+    cfg = load_config(
+        None,
+        [*TINY, f"rl.draft_weight={draft_weight}", f"draft.family={family}", f"run.dir={tmp_path / str(draft_weight)}"],
+    )
+    trainer = Trainer(cfg, tmp_path)
+    grads = {}
+    step = trainer.policy_opt.step
+    trainer.policy_opt.step = lambda: grads.update(
+        {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
+    )
+    trainer.train_step()
+    trainer.policy_opt.step = step
+    return grads, trainer
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_policy_gradient_is_bit_identical_with_and_without_the_draft_loss(tmp_path, family):
+    with_draft, _ = policy_grads(tmp_path, 1.0, family)
+    without, _ = policy_grads(tmp_path, 0.0, family)
+    assert with_draft.keys() == without.keys() and with_draft
+    for name in with_draft:
+        assert torch.equal(with_draft[name], without[name]), name
+
+
+def test_taps_and_draft_targets_carry_no_gradient_into_the_policy(tmp_path):
+    cfg = load_config(None, [*TINY, f"run.dir={tmp_path}"])
+    trainer = Trainer(cfg, tmp_path)
+    ids = torch.randint(0, 200, (1, 12))
+    out = trainer.policy(ids, cu_seqlens=torch.tensor([0, 5, 12]), taps=trainer.draft.tap_layers)
+    from codraft.drafts import DraftBatch
+
+    loss, _ = trainer.draft.loss(
+        DraftBatch(
+            input_ids=ids[0],
+            taps={i: t[0] for i, t in out.taps.items()},  # deliberately NOT detached here
+            policy_logits=out.logits[0],
+            loss_mask=torch.ones(12, dtype=torch.bool),
+            cu_seqlens=torch.tensor([0, 5, 12]),
+        )
+    )
+    loss.backward()
+    assert all(p.grad is None for p in trainer.policy.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.draft.parameters())
+
+
+def run_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "rollout/"))}
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["train", *TINY, "rl.steps=4", f"run.dir={full}"]) == 0
+    assert main(["train", *TINY, "rl.steps=2", f"run.dir={part}"]) == 0
+    assert main(["train", "--resume", str(part), "rl.steps=4"]) == 0
+    a, b = run_metrics(full), run_metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b, strict=True):
+        assert deterministic(x) == pytest.approx(deterministic(y), rel=0, abs=0, nan_ok=True)
+
+
+def test_resume_refuses_an_incompatible_config_and_a_missing_dir(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "rl.steps=1", f"run.dir={run}"]) == 0
+    assert main(["train", "--resume", str(run), "rl.steps=2", "rl.group_size=4"]) == 2
+    assert "trained with a different config (rl.group_size)" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nope")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark", "none"])
+def test_a_short_run_of_each_family_writes_every_metric(tmp_path, family):
+    assert (
+        main(["train", *TINY, "rl.steps=2", f"draft.family={family}", f"run.dir={tmp_path}", "run.tensorboard=true"])
+        == 0
+    )
+    rows = run_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["grad_norm/policy"] > 0  # the policy did get a learning signal
+    wanted = (
+        DESIGN_METRICS
+        if family != "none"
+        else [m for m in DESIGN_METRICS if m not in ("loss/draft", "grad_norm/draft", "spec/accept_rate_pos_0")]
+    )
+    for name in wanted:
+        assert name in rows[-1], name
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
