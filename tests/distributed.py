@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -31,6 +32,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     try:
+        torch.set_num_threads(1)  # the env var comes too late for torch's pool; ranks share the cores
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, world_size, *args)
         results.put((rank, True, out))

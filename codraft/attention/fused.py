@@ -16,7 +16,6 @@ keys; the kernel recomputes exactly these P_j and delta from the (O, L) it is gi
 partial's dQ, dK, dV is its exact share of the gradient of the whole softmax.
 """
 
-from bisect import bisect_right
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +37,15 @@ from codraft.attention.merge import merge_attention
 class PrefixCall:
     """The groups anchored in one sequence, attending its first `length` main keys from k0."""
 
-    groups: torch.Tensor  # [n] group indices, each with a non-empty prefix
+    groups: torch.Tensor | slice  # [n] group indices (a slice when contiguous: no gather), each with keys to see
     k0: int
     length: int  # the longest prefix among these groups
     mask: torch.Tensor | None  # [n * Qg, length] bool, key j < the row's own prefix length; None if all equal
+
+    @property
+    def n(self) -> int:
+        g = self.groups
+        return g.stop - g.start if isinstance(g, slice) else len(g)
 
 
 @dataclass
@@ -55,41 +59,59 @@ class Plan:
     local_mask: torch.Tensor | None = None  # [Qg, Kg] bool
 
 
-def build_plan(cu_seqlens: torch.Tensor, branches: Branches | None, scale: float) -> Plan:
-    cu = cu_seqlens.tolist()
-    main = [(s, s, e - s) for s, e in zip(cu[:-1], cu[1:], strict=True) if e > s]
-    plan = Plan(scale, main)
-    if branches is None:
-        return plan
-    plan.local_mask = branches.mask
-    G, Qg = branches.q.shape[:2]
-    T, shift = cu[-1], 0 if branches.inclusive else 1
-    anchors = branches.anchors.tolist()
-    if Qg == 1 and G == T and anchors == list(range(T)):  # EAGLE-3 TTT: branch t anchored at main position t
-        plan.prefix_segments = [(s + shift, s, n - shift) for s, _, n in main if n > shift]
-        return plan
-    by_seq: dict[int, list[int]] = {}
-    for g, a in enumerate(anchors):
-        by_seq.setdefault(bisect_right(cu, a) - 1, []).append(g)
-    plan.prefix_calls = []
-    device = branches.q.device
-    for i, groups in sorted(by_seq.items()):
-        lengths = [(anchors[g] - cu[i] + 1 - shift, g) for g in groups]
-        lengths = [(n, g) for n, g in lengths if n > 0]  # an exclusive anchor at a sequence start sees no main key
-        if not lengths:
-            continue
-        n_keys = torch.tensor([n for n, _ in lengths], device=device)
+def causal_segments(cu: list[int], shift: int = 0) -> list[Segment]:
+    """Each packed sequence's queries over its own keys, query i seeing keys <= i - shift (1: exclusive)."""
+    return [(s + shift, s, e - s - shift) for s, e in zip(cu[:-1], cu[1:], strict=True) if e - s > shift]
+
+
+def is_ttt_shape(anchors: torch.Tensor, Qg: int, T: int) -> bool:
+    """EAGLE-3 TTT: one query per group, group t anchored at main position t."""
+    return Qg == 1 and anchors.numel() == T and torch.equal(anchors.cpu(), torch.arange(T))
+
+
+def prefix_calls(
+    cu: list[int], seq: torch.Tensor, lengths: torch.Tensor, Qg: int, device: torch.device
+) -> list[PrefixCall]:
+    """Groups batched per sequence: group g sees main keys cu[seq[g]] .. cu[seq[g]] + lengths[g] - 1.
+
+    seq/lengths [G] int on the host. Groups with no key to see are left out of every call.
+    """
+    keep = torch.nonzero(lengths > 0).flatten()
+    keep = keep[torch.argsort(seq[keep], stable=True)]  # grouped by sequence, increasing within one
+    seqs, counts = torch.unique_consecutive(seq[keep], return_counts=True)
+    calls = []
+    for i, gs in zip(seqs.tolist(), torch.split(keep, counts.tolist()), strict=True):
+        n_keys = lengths[gs]
         length = int(n_keys.max())
         mask = None
         if int(n_keys.min()) != length:
-            mask = torch.arange(length, device=device)[None, :] < n_keys[:, None]  # [n, length]
-            mask = mask.repeat_interleave(Qg, dim=0)  # [n * Qg, length]
-        groups_t = torch.tensor([g for _, g in lengths], device=device)
-        plan.prefix_calls.append(PrefixCall(groups_t, cu[i], length, mask))
+            mask = torch.arange(length)[None, :] < n_keys[:, None]  # [n, length]
+            mask = mask.repeat_interleave(Qg, dim=0).to(device)  # [n * Qg, length]
+        g0, n = int(gs[0]), len(gs)
+        groups = slice(g0, g0 + n) if int(gs[-1]) - g0 + 1 == n else gs.to(device)
+        calls.append(PrefixCall(groups, cu[i], length, mask))
+    return calls
+
+
+def build_plan(cu_seqlens: torch.Tensor, branches: Branches | None, scale: float) -> Plan:
+    cu = cu_seqlens.tolist()
+    plan = Plan(scale, causal_segments(cu))
+    if branches is None:
+        return plan
+    plan.local_mask = branches.mask
+    Qg = branches.q.shape[1]
+    shift = 0 if branches.inclusive else 1
+    anchors = branches.anchors.cpu().long()
+    if is_ttt_shape(anchors, Qg, cu[-1]):
+        plan.prefix_segments = causal_segments(cu, shift)
+        return plan
+    seq = torch.searchsorted(cu_seqlens.cpu(), anchors, right=True) - 1
+    lengths = anchors - cu_seqlens.cpu()[seq] + 1 - shift  # an exclusive anchor at a sequence start sees no key
+    plan.prefix_calls = prefix_calls(cu, seq, lengths, Qg, branches.q.device)
     return plan
 
 
-def _prefix_fwd(bq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_fwd(bq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
     """Branch queries [G, Qg, H, D] over their anchors' main prefixes -> out [G, Qg, H, D], lse [G, Qg, H]."""
     G, Qg, H, D = bq.shape
     if plan.prefix_segments is not None:
@@ -98,7 +120,7 @@ def _prefix_fwd(bq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) 
     out = bq.new_zeros(G, Qg, H, D)
     lse = bq.new_full((G, Qg, H), float("-inf"), dtype=acc_dtype(bq.dtype))
     for c in plan.prefix_calls:
-        n, keys = len(c.groups), slice(c.k0, c.k0 + c.length)
+        n, keys = c.n, slice(c.k0, c.k0 + c.length)
         o, lse_ = attn_fwd(
             bq[c.groups].reshape(1, n * Qg, H, D), k[None, keys], v[None, keys], scale=plan.scale, mask=c.mask
         )
@@ -106,7 +128,7 @@ def _prefix_fwd(bq: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) 
     return out, lse
 
 
-def _prefix_bwd(dbout, bq, k, v, bout, blse, plan: Plan, dbq, dk, dv) -> None:
+def prefix_bwd(dbout, bq, k, v, bout, blse, plan: Plan, dbq, dk, dv) -> None:
     """Accumulates the prefix part's gradients into dbq [G, Qg, H, D] and dk/dv [T, H, D] of the H-head main K/V
     it is given (fp32/fp64 buffers)."""
     G, Qg, H, D = bq.shape
@@ -119,7 +141,7 @@ def _prefix_bwd(dbout, bq, k, v, bout, blse, plan: Plan, dbq, dk, dv) -> None:
         dv += g[2]
         return
     for c in plan.prefix_calls:
-        n, keys = len(c.groups), slice(c.k0, c.k0 + c.length)
+        n, keys = c.n, slice(c.k0, c.k0 + c.length)
         rows = (1, n * Qg, H, D)
         gq, gk, gv = attn_bwd(
             dbout[c.groups].reshape(rows),
@@ -146,7 +168,7 @@ class BranchAttentionFn(torch.autograd.Function):
         if q is not None:
             out, lse = causal_segments_fwd(q, ke, ve, plan.main, scale=plan.scale)
         if bq is not None:
-            pre_out, pre_lse = _prefix_fwd(bq, ke, ve, plan)
+            pre_out, pre_lse = prefix_fwd(bq, ke, ve, plan)
             loc_out, loc_lse = attn_fwd(bq, bk, bv, scale=plan.scale, mask=plan.local_mask)
             bout, blse = merge_attention(pre_out, pre_lse, loc_out, loc_lse)  # fp32 (fp64)
             bout = bout.to(bq.dtype)
@@ -180,7 +202,7 @@ class BranchAttentionFn(torch.autograd.Function):
                 dbq, dbk, dbv = torch.zeros_like(bq), torch.zeros_like(bk), torch.zeros_like(bv)
             else:
                 dbq = torch.zeros(bq.shape, dtype=dtype, device=bq.device)
-                _prefix_bwd(dbout, bq, ke, ve, bout, blse, plan, dbq, dk, dv)
+                prefix_bwd(dbout, bq, ke, ve, bout, blse, plan, dbq, dk, dv)
                 gq, dbk, dbv = attn_bwd(dbout, bq, bk, bv, bout, blse, scale=plan.scale, mask=plan.local_mask)
                 dbq = (dbq + gq).to(bq.dtype)
         dk, dv = reduce_kv(dk, Hkv).to(k.dtype), reduce_kv(dv, Hkv).to(v.dtype)
