@@ -239,6 +239,7 @@ class BenchConfig:
     max_new_tokens: int = 48
     repeats: int = 3  # interleaved repeats; medians are reported
     num_speculative_tokens: int = 4
+    seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # bench attention
 
     def validate(self) -> None:
         require(all(b >= 1 for b in self.batch_sizes), "bench.batch_sizes", "all >= 1", self.batch_sizes)

@@ -32,7 +32,13 @@ def _rollout(cfg: Config) -> None:
                       repeats=b.repeats, k=b.num_speculative_tokens, out_dir=b.out_dir)
 
 
-BENCHMARKS = {"rollout": _rollout}
+def _attention(cfg: Config) -> None:
+    from codraft.bench.attention import run_attention_bench
+
+    run_attention_bench(cfg.bench.out_dir, seq_lens=tuple(cfg.bench.seq_lens))
+
+
+BENCHMARKS = {"rollout": _rollout, "attention": _attention}
 
 
 def main(cfg: Config) -> int:
