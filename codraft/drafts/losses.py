@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from codraft.config import DraftLoss as LossKind
+from codraft.config import DraftLoss
 
 
 def draft_loss(
     draft_logits: torch.Tensor,  # [N, V]
     policy_logits: torch.Tensor,  # [N, V], same vocab as the draft (already restricted), detached
     target_tokens: torch.Tensor,  # [N] ids in the draft vocab (for hard_ce; ignored otherwise)
-    kind: LossKind,
+    kind: DraftLoss,
 ) -> torch.Tensor:
     """Loss per position [N], fp32."""
     log_q = F.log_softmax(draft_logits.float(), dim=-1)
