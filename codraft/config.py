@@ -95,10 +95,14 @@ class ParallelConfig:
     dp: int = 1
     pp: int = 1
     cp: int = 1
+    pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
+    pp_microbatches: int = 0  # groups of whole sequences per pipeline step; 0 = 2 * pp
+    tap_transport: Literal["auto", "shm", "pg", "host_staging"] = "auto"  # TapChannel; host_staging: bench only
 
     def validate(self) -> None:
         for name in ("dp", "pp", "cp"):
             require(getattr(self, name) >= 1, f"parallel.{name}", ">= 1", getattr(self, name))
+        require(self.pp_microbatches >= 0, "parallel.pp_microbatches", ">= 0 (0 = 2 * pp)", self.pp_microbatches)
 
 
 
@@ -240,11 +244,59 @@ class BenchConfig:
     repeats: int = 3  # interleaved repeats; medians are reported
     num_speculative_tokens: int = 4
     seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # bench attention
+    draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
+    draft_prompts: int = 16  # bench draft: held-out arithmetic prompts for the acceptance measurement
 
     def validate(self) -> None:
+        if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():
+            raise ConfigError(f"bench.draft_path: '{self.draft_path}' is not an exported draft directory")
+        require(self.draft_prompts >= 1, "bench.draft_prompts", ">= 1", self.draft_prompts)
         require(all(b >= 1 for b in self.batch_sizes), "bench.batch_sizes", "all >= 1", self.batch_sizes)
         require(self.repeats >= 1, "bench.repeats", ">= 1", self.repeats)
         require(self.max_new_tokens >= 2, "bench.max_new_tokens", ">= 2", self.max_new_tokens)
+
+
+@dataclass
+class DraftTrainConfig:
+    """`codraft draft-train`: distil a draft on responses the policy generates, before RL."""
+
+    # defaults sized for SmolLM2-135M on arithmetic in ~10 CPU minutes (its answers take ~16 tokens)
+    num_prompts: int = 256  # training prompts from task.*, each answered once by the policy
+    held_out_prompts: int = 32  # the next prompts of the task stream, for the acceptance eval only
+    steps: int = 100
+    batch_size: int = 8  # sequences per step
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # 0 = off
+    warmup_steps: int = 5
+    temperature: float = 1.0  # of the policy's responses (the eval runs at 0 and 1 regardless)
+    max_new_tokens: int = 32
+    generate_batch_size: int = 32
+    save_every: int = 0  # steps between exported drafts; 0 = only at the end
+    eval_k: int = 7  # speculative tokens in the eval (EAGLE-3; DFlash/DSpark use draft.block_size - 1)
+    eval_max_new_tokens: int = 32
+
+    def validate(self) -> None:
+        for name in ("num_prompts", "held_out_prompts", "steps", "batch_size", "max_new_tokens",
+                     "generate_batch_size", "eval_k", "eval_max_new_tokens"):
+            require(getattr(self, name) >= 1, f"draft_train.{name}", ">= 1", getattr(self, name))
+        require(self.lr > 0, "draft_train.lr", "> 0", self.lr)
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every"):
+            require(getattr(self, name) >= 0, f"draft_train.{name}", ">= 0", getattr(self, name))
+        require(self.temperature >= 0, "draft_train.temperature", ">= 0 (0 = greedy)", self.temperature)
+
+
+@dataclass
+class ExportConfig:
+    """`codraft export-draft`: a `codraft train` run dir, a `codraft draft-train` run dir or a draft dir."""
+
+    source: str | None = None
+    out_dir: str | None = None  # None: <source>/export (a draft dir: <source>-export)
+    family: Literal["any", "eagle3", "dflash", "dspark"] = "any"  # the family the source must hold
+
+    def validate(self) -> None:
+        if self.source is not None and not Path(self.source).is_dir():
+            raise ConfigError(f"export.source: '{self.source}' is not a directory")
 
 
 @dataclass
@@ -259,6 +311,8 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    draft_train: DraftTrainConfig = field(default_factory=DraftTrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 # --- loading -------------------------------------------------------------------------------

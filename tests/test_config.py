@@ -104,7 +104,8 @@ def test_unknown_section_names_valid_sections(presets):
     message = error(overrides=["genrate.temperature=0.5"])
     assert message == (
         "unknown config key 'genrate.temperature'; valid keys at top level: "
-        "run, model, generate, parallel, bench, draft, task, rl, optim, checkpoint (did you mean 'generate'?)"
+        "run, model, generate, parallel, bench, draft, task, rl, optim, checkpoint, draft_train, export "
+        "(did you mean 'generate'?)"
     )
 
 

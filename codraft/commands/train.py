@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 from codraft.config import Config
-from codraft.observability import MetricsLogger, prepare_run_dir, progress
+from codraft.observability import MetricsLogger, progress
+from codraft.parallel.cp_train import sharding_for
+from codraft.parallel.launch import launched, relaunch
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -15,23 +18,29 @@ SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/
 
 
 def main(cfg: Config) -> int:
-    run_dir = prepare_run_dir(cfg, "train")
-    trainer = Trainer(cfg, run_dir)
+    if cfg.parallel.cp > 1 and not launched():
+        return relaunch(cfg, "train", cfg.parallel.cp)
+    sharding = sharding_for(cfg)
+    run_dir = sharding.prepare_run_dir(cfg)
+    trainer = Trainer(cfg, run_dir, sharding)
+    writer = sharding.is_writer  # one rank of a CP group writes metrics and checkpoints
     history: list[dict] = []
-    with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) as metrics:
+    with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if writer else nullcontext() as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
-            metrics.log(trainer.step, step_metrics)
+            if writer:
+                metrics.log(trainer.step, step_metrics)
             history.append(step_metrics)
             live = {"reward": step_metrics["reward/mean"], "tau": step_metrics["spec/acceptance_length"],
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
             log.info("step %d/%d  %s", trainer.step, cfg.rl.steps, "  ".join(f"{k} {v:.3f}" for k, v in live.items()))
             every = cfg.checkpoint.every
-            if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
+            if writer and every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
                 trainer.save()
-        trainer.save()
+        if writer:
+            trainer.save()
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
     return 0
 

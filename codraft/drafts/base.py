@@ -5,17 +5,21 @@ Interface (DESIGN.md "Contracts"):
     draft.tap_layers                   policy layers the draft reads (set from the config)
     draft.loss(batch) -> (loss, metrics)   training on packed rollout tokens, taps detached
     draft.drafter() -> Drafter         plugs into codraft.rollout.generate
+    draft.attention_op                 the training attention, swapped from outside (parallel/cp_draft.py)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from codraft.attention import AttentionOutput, Branches
 from codraft.config import DraftConfig
 from codraft.drafts.layers import TapFusion
+from codraft.drafts.shard import TokenShard
 from codraft.models import KVCache, ModelArgs, Transformer
 from codraft.rollout.drafter import Drafter, Proposal
 from codraft.rollout.sampling import SamplingParams
@@ -23,7 +27,11 @@ from codraft.rollout.sampling import SamplingParams
 
 @dataclass
 class DraftBatch:
-    """A packed batch of rollout tokens with the policy's detached outputs, token-major."""
+    """A packed batch of rollout tokens with the policy's detached outputs, token-major.
+
+    The tensors are the tokens this rank computes on (all of them on one device, its zigzag share
+    under CP); `shard` places them in the whole batch, for what a draft reads ahead (drafts/shard.py).
+    """
 
     input_ids: torch.Tensor  # [T]
     taps: dict[int, torch.Tensor]  # policy layer -> [T, H], detached
@@ -31,12 +39,22 @@ class DraftBatch:
     loss_mask: torch.Tensor  # [T] bool: token t is a response token, i.e. one the draft should predict
     cu_seqlens: torch.Tensor  # [N+1]
     positions: torch.Tensor | None = None  # [T] rotary positions; default per-sequence arange
+    shard: TokenShard | None = None  # default: this batch is the whole batch
+
+    def __post_init__(self):
+        if self.shard is None:
+            self.shard = TokenShard(self.input_ids, self.loss_mask.bool(), self.cu_seqlens)
 
     def rope_positions(self) -> torch.Tensor:
         if self.positions is not None:
             return self.positions
         steps = torch.arange(self.input_ids.numel(), device=self.input_ids.device)
         return steps - self.cu_seqlens[:-1].repeat_interleave(self.cu_seqlens.diff())
+
+
+# (q [T, H, D] | None, k/v [T, Hkv, D], cu_seqlens [N+1], branches | None) -> AttentionOutput
+AttentionOp = Callable[[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, Branches | None],
+                       AttentionOutput]
 
 
 class DraftModel(nn.Module):
@@ -46,9 +64,13 @@ class DraftModel(nn.Module):
     owned: `attach(policy)` keeps detached views of them, so they are frozen for
     the draft, absent from its parameters and state dict, and always the policy's
     current weights (optimizer steps update them in place).
+
+    Training attention goes through `attention`: the family's single-device `branch_attention`
+    unless a parallelism set `attention_op` from outside (the draft never asks which).
     """
 
     family: str = ""
+    attention_op: AttentionOp | None = None
 
     def __init__(self, cfg: DraftConfig, policy_args: ModelArgs, default_taps: list[int], fusion_norm: bool):
         super().__init__()
@@ -79,6 +101,13 @@ class DraftModel(nn.Module):
 
     def fuse(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         return self.fusion([taps[i] for i in self.tap_layers])
+
+    def attention(self, q, k, v, cu_seqlens, branches: Branches | None = None) -> AttentionOutput:
+        return (self.attention_op or self.default_attention)(q, k, v, cu_seqlens, branches)
+
+    def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:
+        """The family's single-device branch attention (its kernel choice)."""
+        raise NotImplementedError
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError

@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codraft.attention import Branches, branch_attention
+from codraft.attention import AttentionOutput, Branches, branch_attention
 from codraft.config import DraftConfig
 from codraft.drafts.anchors import sample_anchors
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
@@ -200,11 +200,16 @@ class DFlashDraft(DraftModel):
         policy_logits: torch.Tensor,  # [G, b-1, V]
         targets: torch.Tensor,  # [G, b-1] rollout tokens
         weights: torch.Tensor,  # [G, b-1]
+        total: Callable[[torch.Tensor], torch.Tensor],  # sum over the ranks (TokenShard.total)
     ) -> tuple[torch.Tensor, dict[str, float]]:
         per_slot = draft_loss(logits.flatten(0, 1), policy_logits.flatten(0, 1), targets.flatten(), self.cfg.loss)
-        return weighted_mean(per_slot, weights.flatten()), {}
+        return weighted_mean(per_slot, weights.flatten(), total), {}
 
     # --- training ---
+    def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:
+        impl = self.attention_impl or ("fused" if k.device.type == "cpu" else "dense")
+        return branch_attention(q, k, v, cu_seqlens, branches, impl=impl)
+
     def block_hidden(
         self,
         context: torch.Tensor,
@@ -215,12 +220,11 @@ class DFlashDraft(DraftModel):
     ) -> torch.Tensor:
         """Blocks [first, MASK...] at anchors [G] of the packed context features [T, H] (rotary positions [T])
         -> hidden [G, b, H]. Each block sees the context of its sequence strictly before its anchor."""
-        impl = self.attention_impl or ("fused" if context.device.type == "cpu" else "dense")
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_ctx, v_ctx = self.context_kv(i, context, positions)  # [T, Hkv, D]
             blocks = Branches(q, k, v, anchors, inclusive=False)
-            return branch_attention(None, k_ctx, v_ctx, cu_seqlens, blocks, impl=impl).branch_out
+            return self.attention(None, k_ctx, v_ctx, cu_seqlens, blocks).branch_out
 
         block_pos = positions[anchors][:, None] + torch.arange(self.block_size, device=anchors.device)  # [G, b]
         return self.run_block(first, block_pos, attend)
@@ -232,37 +236,47 @@ class DFlashDraft(DraftModel):
         anchors: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Block loss over `anchors` [G] (packed positions), by default sampled with `generator`."""
-        b = self.block_size
+        """Block loss over `anchors` [G] (global packed positions), by default sampled with `generator`
+        over the whole batch; this rank computes the blocks whose anchor it owns (`batch.shard`), and
+        reads their targets by global index."""
+        tokens, b = batch.shard, self.block_size
+        ids = tokens.input_ids  # [T] the whole batch
         if anchors is None:
-            anchors = sample_anchors(batch.loss_mask, batch.cu_seqlens, b, self.cfg.num_anchors, generator)
-        context = self.fuse(batch.taps)  # [T, H]
-        hidden = self.block_hidden(context, batch.cu_seqlens, batch.rope_positions(), anchors, batch.input_ids[anchors])
+            anchors = sample_anchors(tokens.loss_mask, tokens.cu_seqlens, b, self.cfg.num_anchors, generator)
+        owned, local = tokens.own(anchors)
+        anchors = anchors[owned]  # [G_r] global, the blocks of this rank
+        context = self.fuse(batch.taps)  # [T_local, H]
+        hidden = self.block_hidden(context, batch.cu_seqlens, batch.rope_positions(), local, ids[anchors])
         hidden = hidden[:, 1:]  # [G, b-1, H] slots 1..b-1
         slots = torch.arange(1, b, device=anchors.device)
-        target_at = anchors[:, None] + slots  # [G, b-1] packed position of the token slot k drafts
-        targets = batch.input_ids[target_at]
-        policy_logits = batch.policy_logits[target_at - 1]
-        weights = torch.exp(-(slots - 1) / self.cfg.gamma) * batch.loss_mask[target_at]
-        logits = self.slot_logits(hidden, batch.input_ids[target_at - 1])  # teacher forcing for DSpark
-        loss, metrics = self.block_loss(hidden, logits, policy_logits, targets, weights)
-        metrics.update(self.block_metrics(logits, policy_logits, targets, weights))
+        target_at = anchors[:, None] + slots  # [G, b-1] global packed position of the token slot k drafts
+        targets = ids[target_at]
+        policy_logits = tokens.rows(batch.policy_logits, target_at - 1)
+        weights = torch.exp(-(slots - 1) / self.cfg.gamma) * tokens.loss_mask[target_at]
+        logits = self.slot_logits(hidden, ids[target_at - 1])  # teacher forcing for DSpark
+        loss, metrics = self.block_loss(hidden, logits, policy_logits, targets, weights, tokens.total)
+        metrics.update(self.block_metrics(logits, policy_logits, targets, weights, tokens.total))
         return loss, {"loss/draft": loss.item(), **metrics}
 
     @torch.no_grad()
     def block_metrics(
-        self, logits: torch.Tensor, policy_logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        policy_logits: torch.Tensor,
+        targets: torch.Tensor,
+        weights: torch.Tensor,
+        total: Callable[[torch.Tensor], torch.Tensor],
     ) -> dict[str, float]:
         valid = weights > 0  # [G, b-1]
-        n = valid.sum().clamp(min=1)
+        n = total(valid.sum()).clamp(min=1)
         correct = (logits.argmax(-1) == targets) & valid
         accept = expected_acceptance(logits.flatten(0, 1), policy_logits.flatten(0, 1)).view_as(weights)
         metrics = {
-            "draft/anchors": float(weights.shape[0]),
-            "draft/acc": (correct.sum() / n).item(),
-            "draft/expected_accept": ((accept * valid).sum() / n).item(),
+            "draft/anchors": float(total(torch.tensor(weights.shape[0], device=weights.device))),
+            "draft/acc": (total(correct.sum()) / n).item(),
+            "draft/expected_accept": (total((accept * valid).sum()) / n).item(),
         }
-        per_slot = correct.sum(0) / valid.sum(0).clamp(min=1)
+        per_slot = total(correct.sum(0)) / total(valid.sum(0)).clamp(min=1)
         metrics.update({f"draft/acc_slot_{k + 1}": acc for k, acc in enumerate(per_slot.tolist())})
         return metrics
 

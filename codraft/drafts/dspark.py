@@ -71,16 +71,18 @@ class DSparkDraft(DFlashDraft):
             probs.append(p)
         return torch.stack(tokens, 1), torch.stack(probs, 1)
 
-    def block_loss(self, hidden, logits, policy_logits, targets, weights):
+    def block_loss(self, hidden, logits, policy_logits, targets, weights, total):
         flat = logits.flatten(0, 1), policy_logits.flatten(0, 1), targets.flatten()
         ce, tv = draft_loss(*flat, self.cfg.loss), draft_loss(*flat, "tv")
         w = weights.flatten()
-        loss = weighted_mean(self.cfg.ce_weight * ce + self.cfg.tv_weight * tv, w)
-        metrics = {"loss/draft_ce": weighted_mean(ce, w).item(), "loss/draft_tv": weighted_mean(tv, w).item()}
+        loss = weighted_mean(self.cfg.ce_weight * ce + self.cfg.tv_weight * tv, w, total)
+        with torch.no_grad():
+            metrics = {"loss/draft_ce": weighted_mean(ce, w, total).item(),
+                       "loss/draft_tv": weighted_mean(tv, w, total).item()}
         if self.confidence is not None:
             target = expected_acceptance(*flat[:2])  # [G*(b-1)], no grad
             score = self.confidence(hidden.detach()).flatten().float()
-            bce = weighted_mean(F.binary_cross_entropy_with_logits(score, target, reduction="none"), w)
+            bce = weighted_mean(F.binary_cross_entropy_with_logits(score, target, reduction="none"), w, total)
             loss = loss + bce
             metrics["loss/draft_confidence"] = bce.item()
         return loss, metrics

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codraft.attention import Branches, branch_attention
+from codraft.attention import AttentionOutput, Branches, branch_attention
 from codraft.config import DraftConfig
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
 from codraft.drafts.export import draft_config, load_checked, register_family
@@ -115,68 +115,82 @@ class Eagle3Draft(DraftModel):
         return (proj.q(x, cos, sin), *proj.kv(x, cos, sin))
 
     # --- training ---
-    def ttt_forward(
-        self, feats: torch.Tensor, ids: torch.Tensor, cu_seqlens: torch.Tensor, positions: torch.Tensor, steps: int
-    ) -> list[torch.Tensor]:
-        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H] and ids [T].
+    def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:
+        return branch_attention(q, k, v, cu_seqlens, branches, impl=self.attn_impl)
 
-        Step s at packed index t reads token ids[t+1+s] (clamped at the batch's end: what crosses a
-        sequence end is junk that the loss masks; it never leaks into other positions, since a
-        branch sees only its own chain keys besides K0).
+    def ttt_forward(
+        self,
+        feats: torch.Tensor,
+        ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        positions: torch.Tensor,
+        steps: int,
+        index: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H].
+
+        `ids` [T_all] are the token ids of the whole packed batch and `index` [T] the place of each of
+        the T computed tokens in it (default: they are the whole batch), since step s at token t reads
+        ids[t+1+s], which under CP may belong to another rank's tokens. Clamped at the batch's end:
+        what crosses a sequence end is junk that the loss masks; it never leaks into other positions,
+        since a branch sees only its own chain keys besides K0.
         """
-        T = ids.numel()
-        after = torch.arange(T, device=ids.device) + 1
+        T_all, T = ids.numel(), feats.shape[0]
+        index = torch.arange(T, device=ids.device) if index is None else index
         anchors = torch.arange(T, device=ids.device)
         hidden, logits = feats, []
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
         for s in range(steps):
-            q, k, v = self._qkv(hidden, ids[(after + s).clamp(max=T - 1)], positions + s)
+            q, k, v = self._qkv(hidden, ids[(index + 1 + s).clamp(max=T_all - 1)], positions + s)
             if s == 0:
                 k0, v0 = k, v
-                out = branch_attention(q, k, v, cu_seqlens, impl=self.attn_impl).out
+                out = self.attention(q, k, v, cu_seqlens).out
             else:
                 chain_k.append(k)
                 chain_v.append(v)
                 branches = Branches(q[:, None], torch.stack(chain_k, 1), torch.stack(chain_v, 1), anchors, True)
-                out = branch_attention(None, k0, v0, cu_seqlens, branches, impl=self.attn_impl).branch_out[:, 0]
+                out = self.attention(None, k0, v0, cu_seqlens, branches).branch_out[:, 0]
             hidden = self.midlayer.finish(out, hidden)  # [T, H], the next step's hidden input
             logits.append(self.head(hidden))
         return logits
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Sum over TTT steps s of ttt_decay**s * mean loss over the positions whose target x_{t+2+s}
-        is a response token of the same sequence and whose policy argmax is in the draft vocab."""
-        ids, cu = batch.input_ids, batch.cu_seqlens
-        T, kind = ids.numel(), self.cfg.loss
+        is a response token of the same sequence and whose policy argmax is in the draft vocab.
+        Look-ahead (tokens, mask, policy rows) is read by global index through `batch.shard`."""
+        tokens, kind = batch.shard, self.cfg.loss
+        ids, T, index = tokens.input_ids, tokens.num_tokens, tokens.index  # whole batch; index [T_local]
         taps = {layer: t.detach() for layer, t in batch.taps.items()}  # the policy never gets draft gradient
-        logits = self.ttt_forward(self.fuse(taps), ids, cu, batch.rope_positions(), self.cfg.ttt_steps)
+        logits = self.ttt_forward(self.fuse(taps), ids, batch.cu_seqlens, batch.rope_positions(), self.cfg.ttt_steps,
+                                  index)
 
-        policy_logits = batch.policy_logits.detach()
-        policy = policy_logits.index_select(-1, self.draft_ids())  # [T, N], softmax renormalises it
-        in_vocab = self.t2d[policy_logits.argmax(-1)]  # [T] the policy's top token is draftable
+        policy_logits = batch.policy_logits.detach()  # [T_local, V]
+        policy_local = policy_logits.index_select(-1, self.draft_ids())  # [T_local, N], softmax renormalises it
+        in_vocab_local = self.t2d[policy_logits.argmax(-1)]  # [T_local] the policy's top token is draftable
         to_draft = self.t2d.long().cumsum(0) - 1  # [V] target id -> draft id (where t2d)
-        seq_end = cu[1:].repeat_interleave(cu.diff())  # [T] end of each token's sequence
-        target = torch.arange(T, device=ids.device) + 2  # index of the token step 0 predicts
+        seq_end = tokens.seq_end(index)  # [T_local] end of each token's sequence
+        target = index + 2  # global index of the token step 0 predicts
 
         total = logits[0].new_zeros((), dtype=torch.float32)
         stats: dict[str, torch.Tensor] = {}
         for s, step_logits in enumerate(logits):
             tgt = (target + s).clamp(max=T - 1)
-            row = tgt - 1  # policy_logits[row] predicts token tgt
-            valid = (target + s < seq_end) & batch.loss_mask[tgt] & in_vocab[row]
+            row = tgt - 1  # policy row `row` predicts token tgt
+            policy = tokens.rows(policy_local, row)  # [T_local, N]
+            valid = (target + s < seq_end) & tokens.loss_mask[tgt] & tokens.rows(in_vocab_local, row)
             if kind == "hard_ce":
                 valid &= self.t2d[ids[tgt]]
             weight = valid.float()
-            per_position = draft_loss(step_logits, policy[row], to_draft[ids[tgt]].clamp(min=0), kind)
-            step_loss = weighted_mean(per_position, weight)
+            per_position = draft_loss(step_logits, policy, to_draft[ids[tgt]].clamp(min=0), kind)
+            step_loss = weighted_mean(per_position, weight, tokens.total)
             total = total + self.cfg.ttt_decay**s * step_loss
             with torch.no_grad():
-                agree = (step_logits.argmax(-1) == policy[row].argmax(-1)).float()
+                agree = (step_logits.argmax(-1) == policy.argmax(-1)).float()
                 stats[f"draft/loss_step_{s}"] = step_loss.detach()
-                stats[f"draft/acc_step_{s}"] = weighted_mean(agree, weight)
+                stats[f"draft/acc_step_{s}"] = weighted_mean(agree, weight, tokens.total)
                 stats[f"draft/expected_accept_step_{s}"] = weighted_mean(
-                    expected_acceptance(step_logits, policy[row]), weight
+                    expected_acceptance(step_logits, policy), weight, tokens.total
                 )
         stats["loss/draft"] = total.detach()
         values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics

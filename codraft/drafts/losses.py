@@ -9,6 +9,8 @@ tv:      1/2 sum_v |p(v) - q(v)| = 1 - sum_v min(p, q), i.e. one minus the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -39,6 +41,10 @@ def expected_acceptance(draft_logits: torch.Tensor, policy_logits: torch.Tensor)
     return torch.minimum(F.softmax(draft_logits.float(), -1), F.softmax(policy_logits.float(), -1)).sum(-1)
 
 
-def weighted_mean(per_position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum(w * l) / sum(w), 0 when no weight (an all-masked batch must not produce NaN)."""
-    return (per_position * weights).sum() / weights.sum().clamp(min=1e-9)
+def weighted_mean(
+    per_position: torch.Tensor, weights: torch.Tensor, total: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+) -> torch.Tensor:
+    """sum(w * l) / sum(w), 0 when no weight (an all-masked batch must not produce NaN). `total` sums
+    both over the ranks that hold parts of the batch (TokenShard.total), so every rank gets the whole
+    batch's mean."""
+    return total((per_position * weights).sum()) / total(weights.sum()).clamp(min=1e-9)

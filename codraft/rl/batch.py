@@ -54,13 +54,23 @@ def pack_rollouts(prompts: list[list[int]], completions: list[list[int]], logpro
     )
 
 
-def response_logprobs(logits: torch.Tensor, batch: PackedRollouts, temperature: float) -> torch.Tensor:
-    """log p(token) of every response token [R] under the sampling temperature, fp32."""
-    rows = logits[batch.logprob_index].float()  # [R, V]
+def token_logprobs(rows: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits rows [R, V] and the tokens they predict [R] -> log p(token) [R] at the sampling temperature, fp32."""
+    rows = rows.float()
     if temperature > 0:
         rows = rows / temperature
-    targets = batch.input_ids[batch.logprob_index + 1]
     return rows.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def token_entropy(rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy [R] of the sampling distribution of each logits row [R, V], fp32."""
+    logp = (rows.float() / temperature).log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def response_logprobs(logits: torch.Tensor, batch: PackedRollouts, temperature: float) -> torch.Tensor:
+    """log p(token) of every response token [R] under the sampling temperature, fp32."""
+    return token_logprobs(logits[batch.logprob_index], batch.input_ids[batch.logprob_index + 1], temperature)
 
 
 def per_sequence(values: torch.Tensor, batch: PackedRollouts, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

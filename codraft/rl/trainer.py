@@ -5,6 +5,10 @@ policy and draft -> rewards -> group advantages -> ONE packed policy forward tha
 yields logits and taps -> RL loss + draft loss -> one backward -> the two
 optimizers step -> refit -> metrics. The draft reads only detached taps and
 logits, so the policy's gradient is exactly what it would be with lambda = 0.
+
+Where tokens are computed is the `Sharding`'s business (rl/sharding.py: one device;
+parallel/cp_train.py: context parallelism): the trainer sees a view of the batch and
+one gradient reduction, never a rank.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import torch
 
 from codraft.commands.common import load_policy
 from codraft.config import Config, ConfigError, config_to_dict
-from codraft.drafts import DraftBatch, DraftModel, build_draft
+from codraft.drafts import DraftModel, build_draft
 from codraft.drafts.export import load_draft
-from codraft.rl.batch import pack_rollouts, per_sequence, response_logprobs
+from codraft.parallel.cp_train import sharding_for
+from codraft.rl.batch import pack_rollouts, per_sequence
 from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
 from codraft.rl.grpo import group_advantages, grpo_loss, rewards_tensor, zero_variance_groups
 from codraft.rl.rewards import load_reward_fn, score
+from codraft.rl.sharding import Sharding
 from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask, build_prompt_ids
 from codraft.rollout import SpeculationController, generate
 
@@ -45,13 +51,15 @@ def warmup(steps: int):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, sharding: Sharding | None = None):
         self.cfg, self.run_dir = cfg, run_dir
+        self.sharding = sharding or sharding_for(cfg)
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
         self.policy, self.tokenizer = load_policy(cfg)
         self.task = build_task(cfg)
         self.reward_fn = load_reward_fn(cfg.task.reward)
         self.draft = self._build_draft()
+        self.sharding.apply(self.policy, self.draft)
         o = cfg.optim
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=o.weight_decay)
         self.policy_sched = torch.optim.lr_scheduler.LambdaLR(self.policy_opt, warmup(o.warmup_steps))
@@ -100,16 +108,18 @@ class Trainer:
 
         # 2. rollout with the current policy and draft
         self.policy.eval()
-        rollout = generate(
-            self.policy,
-            rows,
-            drafter=self.draft.drafter() if self.draft is not None else None,
-            num_speculative_tokens=rl.num_speculative_tokens,
-            temperature=rl.temperature,
-            top_p=rl.top_p,
-            max_new_tokens=rl.max_new_tokens,
-            seed=cfg.run.seed * 1_000_003 + self.step,
-            adaptive=self.controller if self.controller is not None else False,
+        rollout = self.sharding.rollout(
+            lambda: generate(
+                self.policy,
+                rows,
+                drafter=self.draft.drafter() if self.draft is not None else None,
+                num_speculative_tokens=rl.num_speculative_tokens,
+                temperature=rl.temperature,
+                top_p=rl.top_p,
+                max_new_tokens=rl.max_new_tokens,
+                seed=cfg.run.seed * 1_000_003 + self.step,
+                adaptive=self.controller if self.controller is not None else False,
+            )
         )
         t_rollout = time.perf_counter() - t_step
 
@@ -164,14 +174,17 @@ class Trainer:
         )
         adv = advantages[keep].nan_to_num(0.0).to(batch.input_ids.device)
         inference_lp, mask = per_sequence(batch.inference_logprobs, batch)
+        view = self.sharding.view(batch)  # the tokens this rank computes on
         self.policy.train()
         old_lp = None
         metrics: dict[str, float] = {}
         for _ in range(rl.optimizer_steps_per_batch):
             taps = self.draft.tap_layers if self.draft is not None else ()
-            out = self.policy(batch.input_ids[None], cu_seqlens=batch.cu_seqlens, taps=taps)
-            logits = out.logits[0]  # [T, V]
-            logprobs, _ = per_sequence(response_logprobs(logits, batch, rl.temperature), batch)
+            out = self.policy(
+                view.input_ids[None], cu_seqlens=view.cu_seqlens, positions=view.positions[None], taps=taps
+            )
+            logits = out.logits[0]  # [T_local, V]
+            logprobs, _ = per_sequence(view.response_logprobs(logits, rl.temperature), batch)  # whole batch
             old_lp = logprobs.detach() if old_lp is None else old_lp  # the rollout policy's, this batch
             rl_loss, rl_metrics = grpo_loss(
                 logprobs,
@@ -194,15 +207,8 @@ class Trainer:
             loss = rl_loss
             draft_metrics: dict[str, float] = {}
             if self.draft is not None and rl.draft_weight > 0:
-                draft_loss, draft_metrics = self.draft.loss(
-                    DraftBatch(
-                        input_ids=batch.input_ids,
-                        taps={i: t[0].detach() for i, t in out.taps.items()},
-                        policy_logits=logits.detach(),
-                        loss_mask=batch.response_mask,
-                        cu_seqlens=batch.cu_seqlens,
-                    )
-                )
+                taps_out = {i: t[0] for i, t in out.taps.items()}  # [T_local, H]
+                draft_loss, draft_metrics = self.draft.loss(view.draft_batch(taps_out, logits))
                 if torch.isfinite(draft_loss):
                     loss = loss + rl.draft_weight * draft_loss
                 else:  # a broken draft may cost acceptance, never the policy
@@ -210,6 +216,7 @@ class Trainer:
                     log.warning("non-finite draft loss at step %d: draft update skipped", self.step)
                     draft_metrics = {"loss/draft": float("nan")}
             loss.backward()
+            self.sharding.reduce_gradients([m for m in (self.policy, self.draft) if m is not None])
             grad_norm_policy = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip or math.inf)
             self.policy_opt.step()
             self.policy_sched.step()
@@ -221,7 +228,7 @@ class Trainer:
                 self.draft_sched.step()
                 self.draft_opt.zero_grad(set_to_none=True)
                 metrics["grad_norm/draft"] = float(grad_norm_draft)
-        metrics["entropy"] = float(_entropy(logits.detach(), batch, rl.temperature))
+        metrics["entropy"] = float(view.response_entropy(logits.detach(), rl.temperature))
         return metrics
 
     # --- checkpoints ----------------------------------------------------------------------
@@ -271,10 +278,3 @@ class Trainer:
         self.step = meta["step"]
         log.info("resumed from %s at step %d", ckpt["path"], self.step)
 
-
-@torch.no_grad()
-def _entropy(logits: torch.Tensor, batch, temperature: float) -> torch.Tensor:
-    """Mean entropy of the policy's sampling distribution over response tokens."""
-    rows = logits[batch.logprob_index].float() / temperature
-    logp = rows.log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1).mean()

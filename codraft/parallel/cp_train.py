@@ -1,0 +1,136 @@
+"""The co-training step under context parallelism: the CP `Sharding` the trainer uses (rl/sharding.py).
+
+Per step, on the cp ranks of a CP group (every rank holds full policy and draft weights):
+
+  rollout   CP rank 0 generates with the whole policy and broadcasts the rollout and its torch RNG
+            state, so every rank scores the same samples and later draws the same DFlash anchors;
+  view      the packed batch is zigzag-sharded (cp_shard.shard_batch); the policy runs with ring
+            attention (apply_cp) at global positions, the draft with ring branch attention
+            (apply_cp_to_draft) and a `CPTokenShard` for its look-ahead (cp_draft.py);
+  log-probs the token a logits row predicts is the NEXT token, which may live on another rank, so it
+            is shifted on the whole batch before sharding; each rank computes the log-probs of its
+            rows, and a differentiable all-gather (cp_shard.gather) gives every rank all of them;
+  losses    GRPO then runs on the whole batch's log-probs, the draft loss sums its denominators
+            over the group: every rank holds the cp=1 loss, and its backward yields its own tokens'
+            share of the gradient;
+  gradients summed over the group (one all-reduce per module), before clipping and the optimizer
+            steps, so every rank keeps identical weights and grad norms.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from codraft.config import Config, ConfigError
+from codraft.parallel.cp_draft import CPTokenShard, apply_cp_to_draft
+from codraft.parallel.cp_shard import ZigzagLayout, gather, shard_batch
+from codraft.parallel.mesh import ParallelDims, init_distributed
+from codraft.parallel.ring_attention import apply_cp
+from codraft.rl.batch import PackedRollouts
+from codraft.rl.sharding import BatchView, RowFn, Sharding
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CPBatchView(BatchView):
+    layout: ZigzagLayout | None = None
+    next_ids: torch.Tensor | None = None  # [T_local] the token after each local token (whole-batch shift)
+    predicts_response: torch.Tensor | None = None  # [T_local] bool: the row predicts a response token
+    group: dist.ProcessGroup | None = None
+
+    def per_response(self, fn: RowFn, logits: torch.Tensor) -> torch.Tensor:
+        rows = torch.nonzero(self.predicts_response).flatten()
+        values = fn(logits[rows], self.next_ids[rows])  # [R_local]
+        local = values.new_zeros(self.layout.num_tokens).index_put((rows,), values)  # [T_local]
+        return gather(local, self.layout, self.group)[self.batch.logprob_index]  # [T] -> [R]
+
+
+class ContextParallel(Sharding):
+    """cp ranks share every step's batch; ParallelDims has built the groups."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims, self.group = dims, dims.cp_group
+        self.is_writer = dims.cp_rank == 0
+        self.root = dims.cp_ranks[0]  # global rank of CP rank 0 (broadcast takes global ranks)
+
+    def _broadcast(self, obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.root, group=self.group)
+        return box[0]
+
+    def prepare_run_dir(self, cfg) -> Path:
+        """CP rank 0 creates the run directory; the others take its path (run.dir may be a fresh timestamp)."""
+        path = super().prepare_run_dir(cfg) if self.is_writer else None
+        cfg.run.dir = self._broadcast(None if path is None else str(path))
+        return Path(cfg.run.dir)
+
+    def apply(self, policy: nn.Module, draft: nn.Module | None) -> None:
+        for module in (policy, draft):
+            if module is not None:
+                for t in (*module.parameters(), *module.buffers()):  # same start everywhere, whatever the init
+                    dist.broadcast(t.data, src=self.root, group=self.group)
+        apply_cp(policy, self.dims)
+        if draft is not None:
+            apply_cp_to_draft(draft, self.dims)
+
+    def rollout(self, generate: Callable):
+        """CP rank 0 generates; every rank gets its rollout and its RNG state after it."""
+        out = (generate(), torch.get_rng_state()) if self.is_writer else None
+        rollout, rng = self._broadcast(out)
+        torch.set_rng_state(rng)
+        return rollout
+
+    def view(self, batch: PackedRollouts) -> CPBatchView:
+        T = batch.input_ids.numel()
+        predicts = torch.zeros(T, dtype=torch.bool, device=batch.input_ids.device)
+        predicts[batch.logprob_index] = True
+        local = shard_batch(
+            batch.input_ids,
+            batch.cu_seqlens,
+            self.group,
+            loss_mask=batch.response_mask,
+            per_token={"next_ids": batch.input_ids.roll(-1), "predicts_response": predicts},
+        )
+        shard = CPTokenShard(batch.input_ids, batch.response_mask, batch.cu_seqlens, local.layout, self.group)
+        return CPBatchView(
+            batch,
+            local.input_ids,
+            local.position_ids,
+            local.cu_seqlens,
+            local.loss_mask,
+            shard,
+            layout=local.layout,
+            next_ids=local.per_token["next_ids"],
+            predicts_response=local.per_token["predicts_response"],
+            group=self.group,
+        )
+
+    def reduce_gradients(self, modules: list[nn.Module]) -> None:
+        for module in modules:
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            if grads:  # one flat all-reduce per module; every rank has the same set of gradients
+                flat = torch.cat([g.flatten() for g in grads])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                    g.copy_(part.view_as(g))
+
+
+def sharding_for(cfg: Config) -> Sharding:
+    """The trainer's sharding from `parallel.*` and the launched world (torchrun's env, or none)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return Sharding()
+    if p.dp != 1 or p.pp != 1:
+        raise ConfigError(f"parallel.cp={p.cp} runs with parallel.dp=1 and parallel.pp=1 for now "
+                          f"(got dp={p.dp}, pp={p.pp})")
+    _, world_size = init_distributed()
+    dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # cp must equal the world size: same error on every rank
+    return ContextParallel(dims.build())

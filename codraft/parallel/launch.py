@@ -1,0 +1,38 @@
+"""Starting a multi-process run for the user: `codraft train parallel.cp=N` outside torchrun re-runs
+itself under torchrun on N local processes (127.0.0.1), from the resolved config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+from codraft.observability import prepare_run_dir
+
+log = logging.getLogger(__name__)
+
+
+def launched() -> bool:
+    """True inside a torchrun (or any torch.distributed env://) process."""
+    return "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def relaunch(cfg, command: str, nproc: int) -> int:
+    """Run `codraft <command>` on `nproc` local processes with torchrun; returns its exit code. The run
+    directory and its config.yaml are made here, so every process reads the same resolved config."""
+    run_dir = prepare_run_dir(cfg, command)
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "codraft", command, "--config", str(run_dir / "config.yaml"),
+    ]  # fmt: skip
+    log.info("launching %d processes: %s", nproc, " ".join(argv))
+    return subprocess.run(argv, check=False).returncode
