@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate completions (plain or speculative decoding)", "codraft.commands.generate:main"),
     "train": ("GRPO post-training with an online co-trained draft", "codraft.commands.train:main"),
     "bench": ("run a benchmark: writes results/<name>.json, a Markdown table and plots", "codraft.commands.bench:main"),
+    "draft-train": ("warm-start a draft by distillation on the policy's own responses",
+                    "codraft.commands.draft_train:main"),
+    "export-draft": ("export a trained draft in the layout SGLang/vLLM (EAGLE-3) or DFlash/DSpark load",
+                     "codraft.commands.export_draft:main"),
 }
 # commands that take one positional choice, mapped onto a config key
 POSITIONALS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -38,7 +38,13 @@ def _attention(cfg: Config) -> None:
     run_attention_bench(cfg.bench.out_dir, seq_lens=tuple(cfg.bench.seq_lens))
 
 
-BENCHMARKS = {"rollout": _rollout, "attention": _attention}
+def _draft(cfg: Config) -> None:
+    from codraft.bench.draft import bench_draft
+
+    bench_draft(cfg)
+
+
+BENCHMARKS = {"rollout": _rollout, "attention": _attention, "draft": _draft}
 
 
 def main(cfg: Config) -> int:

@@ -1,0 +1,86 @@
+"""`codraft export-draft`: write a trained draft in the layout serving engines load.
+
+`export.source` is one of
+  a `codraft train` run dir          its latest checkpoint's draft weights, rebuilt from the run's config.yaml
+  a `codraft draft-train` run dir    its `draft/`, for the policy of the run's config.yaml
+  an exported draft dir              re-exported, for the policy of `model.*`
+EAGLE-3 goes out as SGLang/vLLM's `LlamaForCausalLMEagle3`, DFlash/DSpark in the layout documented in
+codraft/drafts/dflash.py; `export.out_dir` defaults to `<source>/export` for run dirs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from codraft.commands.common import load_policy
+from codraft.config import Config, ConfigError, load_config
+from codraft.drafts import DraftModel, build_draft
+from codraft.drafts.export import CONFIG_FILE, export_draft, load_draft
+from codraft.rl.checkpoint import load_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def main(cfg: Config) -> int:
+    e = cfg.export
+    if e.source is None:
+        raise ConfigError("export.source is required: a `codraft train` run dir, a `codraft draft-train` run dir "
+                          "or an exported draft dir")
+    source = Path(e.source)
+    if e.out_dir is None and is_draft_dir(source):
+        raise ConfigError("export.out_dir is required when export.source is an exported draft dir")
+    draft = load_source(source, cfg)
+    if e.family != "any" and draft.family != e.family:
+        raise ConfigError(f"export.source holds a {draft.family} draft but export.family={e.family}")
+    out = export_draft(draft, Path(e.out_dir) if e.out_dir is not None else source / "export")
+    log.info("exported the %s draft of %s to %s", draft.family, source, out)
+    return 0
+
+
+def is_draft_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file()
+
+
+def load_source(source: Path, cfg: Config) -> DraftModel:
+    if is_draft_dir(source):
+        return load_exported(source, cfg)
+    if is_draft_dir(source / "draft"):
+        return load_exported(source / "draft", run_config(source))
+    if (source / "checkpoints").is_dir():
+        return load_train_run(source, run_config(source))
+    raise ConfigError(f"export.source: '{source}' is neither a run dir (with checkpoints/ or draft/) "
+                      f"nor an exported draft dir (with {CONFIG_FILE})")
+
+
+def run_config(run_dir: Path) -> Config:
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"export.source: '{run_dir}' has no config.yaml; is it a codraft run directory?")
+    return load_config(path, [])
+
+
+def load_exported(path: Path, cfg: Config) -> DraftModel:
+    policy, _ = load_policy(cfg)
+    try:
+        return load_draft(path, policy)
+    except ValueError as err:
+        raise ConfigError(f"export.source: {err}") from None
+
+
+def load_train_run(run_dir: Path, run_cfg: Config) -> DraftModel:
+    """The draft of the run's newest checkpoint, rebuilt as the run built it (fresh, or from draft_init)."""
+    if run_cfg.draft.family == "none":
+        raise ConfigError(f"export.source: the run '{run_dir}' trained no draft (draft.family=none)")
+    try:
+        ckpt = load_checkpoint(run_dir)
+    except FileNotFoundError as err:
+        raise ConfigError(f"export.source: {err}") from None
+    if "draft" not in ckpt["tensors"]:
+        raise ConfigError(f"export.source: checkpoint {ckpt['path']} holds no draft weights")
+    policy, tokenizer = load_policy(run_cfg)
+    init = run_cfg.checkpoint.draft_init
+    draft = load_draft(init, policy) if init is not None else build_draft(run_cfg.draft, policy, tokenizer)
+    draft.load_state_dict(ckpt["tensors"]["draft"])
+    log.info("draft of %s at step %d", run_dir, ckpt["meta"]["step"])
+    return draft

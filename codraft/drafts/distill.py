@@ -1,0 +1,121 @@
+"""Draft distillation before RL: the policy answers task prompts, the draft learns to predict those answers.
+
+`start_distillation` generates the responses with the rollout engine, builds the draft (EAGLE-3's
+draft vocabulary from the responses' token counts) and returns a `Distiller`; each `step()` then
+reads top to bottom: a batch of responses -> ONE no-grad packed policy forward giving taps and
+logits -> `draft.loss` -> backward -> clip -> AdamW step on the draft only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from codraft.config import Config, DraftTrainConfig
+from codraft.drafts import DraftBatch, DraftModel, build_draft
+from codraft.models import Tokenizer, Transformer
+from codraft.rl.batch import pack_rollouts
+from codraft.rl.tasks import JsonlTask, build_prompt_ids
+from codraft.rl.trainer import build_task, warmup
+from codraft.rollout import generate
+
+log = logging.getLogger(__name__)
+
+
+def split_prompts(cfg: Config, tokenizer: Tokenizer, held_out: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of `draft_train.num_prompts` training prompts and the `held_out` after them in the task stream."""
+    dt, task = cfg.draft_train, build_task(cfg)
+    problems = task.sample(dt.num_prompts + held_out)
+    if isinstance(task, JsonlTask) and len(task.problems) < len(problems):
+        log.warning("task.path holds %d problems, fewer than draft_train.num_prompts + held-out = %d: "
+                    "held-out prompts repeat training ones", len(task.problems), len(problems))
+    ids = [build_prompt_ids(tokenizer, p, cfg.task.chat_template) for p in problems]
+    return ids[: dt.num_prompts], ids[dt.num_prompts :]
+
+
+def generate_responses(policy: Transformer, prompts: list[list[int]], dt: DraftTrainConfig,
+                       seed: int) -> list[list[int]]:
+    """One response per prompt from the policy itself, in batches of `generate_batch_size`."""
+    start, out = time.perf_counter(), []
+    for i in range(0, len(prompts), dt.generate_batch_size):
+        rollout = generate(policy, prompts[i : i + dt.generate_batch_size], temperature=dt.temperature,
+                           max_new_tokens=dt.max_new_tokens, seed=seed * 1_000_003 + i)
+        out += rollout.tokens
+    tokens = sum(map(len, out))
+    log.info("generated %d responses (%.1f tokens each) in %.1fs", len(out), tokens / len(out),
+             time.perf_counter() - start)
+    return out
+
+
+@torch.no_grad()
+def draft_batch(policy: Transformer, draft: DraftModel, prompts: list[list[int]],
+                completions: list[list[int]]) -> DraftBatch:
+    """One packed policy forward over prompt + response -> the draft's training batch (taps, logits detached)."""
+    device = next(policy.parameters()).device
+    packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
+    out = policy(packed.input_ids[None], cu_seqlens=packed.cu_seqlens, taps=draft.tap_layers)
+    return DraftBatch(
+        input_ids=packed.input_ids,
+        taps={layer: t[0] for layer, t in out.taps.items()},
+        policy_logits=out.logits[0],
+        loss_mask=packed.response_mask,
+        cu_seqlens=packed.cu_seqlens,
+    )
+
+
+class Distiller:
+    """AdamW on the draft over shuffled epochs of (prompt, response) pairs; the policy stays frozen."""
+
+    def __init__(self, policy: Transformer, draft: DraftModel, prompts: list[list[int]],
+                 completions: list[list[int]], dt: DraftTrainConfig, seed: int):
+        self.policy, self.draft, self.dt = policy.eval(), draft, dt
+        self.prompts, self.completions = prompts, completions
+        self.opt = torch.optim.AdamW(draft.parameters(), lr=dt.lr, weight_decay=dt.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup(dt.warmup_steps))
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.skipped_steps = 0
+
+    def next_rows(self) -> list[int]:
+        rows = []
+        while len(rows) < min(self.dt.batch_size, len(self.prompts)):
+            if not self.order:
+                self.order = torch.randperm(len(self.prompts), generator=self.generator).tolist()
+            rows.append(self.order.pop())
+        return rows
+
+    def step(self) -> dict[str, float]:
+        rows = self.next_rows()
+        batch = draft_batch(self.policy, self.draft, [self.prompts[i] for i in rows],
+                            [self.completions[i] for i in rows])
+        self.draft.train()
+        loss, metrics = self.draft.loss(batch)
+        if not torch.isfinite(loss):  # e.g. no DFlash block fits in these responses
+            self.skipped_steps += 1
+            return metrics | {"loss/draft": float("nan"), "draft/skipped_steps": float(self.skipped_steps)}
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.dt.grad_clip or math.inf)
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.draft.eval()
+        return metrics | {"grad_norm/draft": float(grad_norm), "lr/draft": lr,
+                          "draft/skipped_steps": float(self.skipped_steps)}
+
+
+def start_distillation(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
+                       prompts: list[list[int]]) -> Distiller:
+    """Generate the policy's responses to `prompts`, build a fresh `draft.family` draft, return its Distiller."""
+    completions = generate_responses(policy, prompts, cfg.draft_train, cfg.run.seed)
+    torch.manual_seed(cfg.run.seed)  # draft init and anchor sampling
+    draft = build_draft(cfg.draft, policy, tokenizer, corpus=completions)
+    return Distiller(policy, draft, prompts, completions, cfg.draft_train, cfg.run.seed)
+
+
+def live_accuracy(metrics: dict[str, float]) -> float:
+    """The draft's first-token agreement with the policy, for progress bars (EAGLE-3 step 0, DFlash slot 1)."""
+    return metrics.get("draft/acc_step_0", metrics.get("draft/acc_slot_1", float("nan")))
