@@ -246,6 +246,7 @@ class BenchConfig:
     seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # bench attention
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
     draft_prompts: int = 16  # bench draft: held-out arithmetic prompts for the acceptance measurement
+    draft_root: str | None = None  # bench e2e: a directory with <family>/ exported warm-start drafts
 
     def validate(self) -> None:
         if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():

@@ -28,8 +28,16 @@ def _rollout(cfg: Config) -> None:
     gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=model.lm_head.weight.dtype)
     b = cfg.bench
-    run_rollout_bench(model, tokenizer, hf.eval(), batch_sizes=b.batch_sizes, max_new_tokens=b.max_new_tokens,
-                      repeats=b.repeats, k=b.num_speculative_tokens, out_dir=b.out_dir)
+    run_rollout_bench(
+        model,
+        tokenizer,
+        hf.eval(),
+        batch_sizes=b.batch_sizes,
+        max_new_tokens=b.max_new_tokens,
+        repeats=b.repeats,
+        k=b.num_speculative_tokens,
+        out_dir=b.out_dir,
+    )
 
 
 def _attention(cfg: Config) -> None:
@@ -44,7 +52,32 @@ def _draft(cfg: Config) -> None:
     bench_draft(cfg)
 
 
-BENCHMARKS = {"rollout": _rollout, "attention": _attention, "draft": _draft}
+def _e2e(cfg: Config) -> None:
+    from pathlib import Path
+
+    from codraft.bench.e2e import run_e2e_bench
+
+    root = cfg.bench.draft_root
+    if root is None:
+        raise ConfigError(
+            "bench e2e needs bench.draft_root: a directory with <family>/ exported warm-start drafts "
+            "(e.g. copies of `codraft draft-train` run dirs' draft/)"
+        )
+    drafts = {
+        f: str(Path(root) / f) for f in ("eagle3", "dflash", "dspark") if (Path(root) / f / "config.json").is_file()
+    }
+    if not drafts:
+        raise ConfigError(f"bench.draft_root: '{root}' holds no eagle3/, dflash/ or dspark/ exported draft")
+    run_e2e_bench(cfg, drafts, cfg.bench.out_dir)
+
+
+def _tapchannel(cfg: Config) -> None:
+    from codraft.bench.tapchannel import run_tapchannel_bench
+
+    run_tapchannel_bench(cfg.bench.out_dir, repeats=cfg.bench.repeats)
+
+
+BENCHMARKS = {"rollout": _rollout, "attention": _attention, "draft": _draft, "e2e": _e2e, "tapchannel": _tapchannel}
 
 
 def main(cfg: Config) -> int:
