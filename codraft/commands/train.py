@@ -9,6 +9,7 @@ from codraft.config import Config
 from codraft.observability import MetricsLogger, progress
 from codraft.parallel.cp_train import sharding_for
 from codraft.parallel.launch import launched, relaunch
+from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -18,12 +19,14 @@ SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/
 
 
 def main(cfg: Config) -> int:
-    if cfg.parallel.cp > 1 and not launched():
-        return relaunch(cfg, "train", cfg.parallel.cp)
-    sharding = sharding_for(cfg)
+    p = cfg.parallel
+    if (p.cp > 1 or p.pp > 1) and not launched():
+        return relaunch(cfg, "train", p.dp * p.pp * p.cp)
+    pipelined = p.pp > 1  # parallel/pp_train.py: the update is a pipeline step over this rank's stage
+    sharding = pipeline_sharding(cfg) if pipelined else sharding_for(cfg)
     run_dir = sharding.prepare_run_dir(cfg)
-    trainer = Trainer(cfg, run_dir, sharding)
-    writer = sharding.is_writer  # one rank of a CP group writes metrics and checkpoints
+    trainer = (PipelineTrainer if pipelined else Trainer)(cfg, run_dir, sharding)
+    writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
     history: list[dict] = []
     with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if writer else nullcontext() as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")

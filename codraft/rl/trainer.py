@@ -137,9 +137,9 @@ class Trainer:
         train_metrics = self._update(rollout, rows, advantages, keep) if bool(keep.any()) else {}
         t_train = time.perf_counter() - t_train
 
-        # 8. refit: the engine decodes with these very modules, updated in place; nothing to copy
+        # 8. refit the rollout engine's weights
         t_refit = time.perf_counter()
-        self.policy.eval()
+        self.refit()
         t_refit = time.perf_counter() - t_refit
 
         self.step += 1
@@ -162,6 +162,10 @@ class Trainer:
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
         return metrics | train_metrics
+
+    def refit(self) -> None:
+        """The engine decodes with these very modules, updated in place: nothing to copy."""
+        self.policy.eval()
 
     def _update(self, rollout, rows: list[list[int]], advantages: torch.Tensor, keep: torch.Tensor) -> dict:
         rl, o = self.cfg.rl, self.cfg.optim

@@ -14,6 +14,8 @@ transport on x86-64.
 from __future__ import annotations
 
 import logging
+import sys
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -72,6 +74,20 @@ class ShmLink:
             log.debug("TapChannel shm segment of source stage %d stays mapped until its views are freed", self.source)
 
 
+def _attach(name: str) -> SharedMemory:
+    """Map a segment that the draft stage owns (and unlinks). Attaching must not register it with the resource
+    tracker as if this process owned it: at exit the tracker would unlink it again and warn of a leak per channel.
+    Python 3.13 says so with track=False; before, registration is switched off around the attach."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name=name, track=False)
+    register = resource_tracker.register
+    resource_tracker.register = lambda *args: None
+    try:
+        return SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
+
+
 def open_shm_links(group: dist.ProcessGroup, stage: int, draft: int, rings: dict[int, tuple[SlotLayout, int]],
                    timeout_s: float) -> dict[int, ShmLink]:
     """Collective on `group`: the draft stage creates one segment per source in `rings` ({source: (layout, depth)}),
@@ -92,7 +108,7 @@ def open_shm_links(group: dist.ProcessGroup, stage: int, draft: int, rings: dict
         segment_names, draft_error = names[draft]
         if draft_error is None and stage in rings:
             try:
-                links[stage] = ShmLink(SharedMemory(name=segment_names[stage]), stage, *rings[stage], timeout_s)
+                links[stage] = ShmLink(_attach(segment_names[stage]), stage, *rings[stage], timeout_s)
             except OSError as e:  # e.g. the stages do not share /dev/shm after all
                 error = f"source stage {stage} could not map segment {segment_names[stage]!r}: {e}"
         errors: list = [None] * dist.get_world_size(group)

@@ -1,0 +1,312 @@
+"""The co-training step under pipeline parallelism (parallel.pp > 1, with parallel.dp replicas of the pipeline):
+the PP `Sharding` and `PipelineTrainer`.
+
+Per step, on the pp ranks of one pipeline (DESIGN.md, "The co-training step under PP and CP"):
+
+  weights     every rank holds the full policy and the draft, for generation; its training stage (build_stage) is
+              a view of the full policy's tensors (load_state_dict(assign=True)), so a stage's optimizer step
+              updates that rank's full copy in place;
+  rollout     pipeline rank 0 generates with the full policy and draft and broadcasts the rollout and its torch
+              RNG state (as under CP): every stage trains on the same samples;
+  update      split_rollouts -> run_pipeline (JointObjective on the last stage, taps over a TapChannel built for
+              the step) -> sum_tied_grads -> one clip over all stages (squared norms summed over the pipeline, the
+              tied head counted once) -> every stage's optimizer steps; the draft trains on the last stage;
+  refit       every stage broadcasts its weights into every rank's full copy, the last stage the draft
+              (time/refit_s);
+  metrics     the last stage broadcasts its loss metrics to the pipeline; global rank 0 writes them;
+  checkpoints global rank 0 writes its refitted full policy and the draft, in the pp = 1 layout; optimizer
+              states stay per stage and are not written, so a PP run cannot be resumed yet (a clear config error).
+
+Data parallelism (dp > 1): replica r trains on its own slice of every step's prompts (ReplicaTask) and rollout;
+after the backward, stage and draft gradients are averaged over the dp group (the mean of the replicas' losses),
+so the replicas keep identical weights; an update is skipped on every replica when one cannot run it, and the
+step's metrics are averaged over the replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from codraft.config import Config, ConfigError, config_to_dict
+from codraft.parallel.dp_task import ReplicaTask
+from codraft.parallel.mesh import ParallelDims, init_distributed
+from codraft.parallel.pipeline import (
+    StageModule,
+    build_stage,
+    run_pipeline,
+    stage_state_dict,
+    sum_tied_grads,
+    tap_sources,
+)
+from codraft.parallel.tapchannel import TapChannel, TapSpec
+from codraft.rl.checkpoint import save_checkpoint
+from codraft.rl.microbatch import split_rollouts
+from codraft.rl.pipeline_loss import JointObjective
+from codraft.rl.sharding import Sharding
+from codraft.rl.trainer import RESUME_SECTIONS, Trainer, warmup
+
+log = logging.getLogger(__name__)
+
+
+class PipelineParallel(Sharding):
+    """The pp ranks of one pipeline share every step's rollout; ParallelDims has built the groups."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims, self.group = dims, dims.pp_group
+        self.is_writer = dims.rank == 0
+        self.root = dims.pp_ranks[0]  # global rank of pipeline rank 0 (broadcast takes global ranks)
+
+    def broadcast(self, obj, src: int, group: dist.ProcessGroup | None = None):
+        """obj from global rank `src` to the pipeline (or `group`)."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=group or self.group)
+        return box[0]
+
+    def prepare_run_dir(self, cfg) -> Path:
+        """Rank 0 creates the run directory; the others take its path (run.dir may be a fresh timestamp)."""
+        path = super().prepare_run_dir(cfg) if self.is_writer else None
+        cfg.run.dir = self.broadcast(None if path is None else str(path), 0, dist.group.WORLD)
+        return Path(cfg.run.dir)
+
+    def apply(self, policy: nn.Module, draft: nn.Module | None) -> None:
+        """The same full policy and draft on every rank, whatever the init."""
+        for module in (policy, draft):
+            if module is not None:
+                for t in (*module.parameters(), *module.buffers()):
+                    dist.broadcast(t.data, src=0)
+
+    def rollout(self, generate):
+        """Pipeline rank 0 generates; every rank of the pipeline gets its rollout and its RNG state after it."""
+        out = (generate(), torch.get_rng_state()) if self.dims.pp_rank == 0 else None
+        rollout, rng = self.broadcast(out, self.root)
+        torch.set_rng_state(rng)
+        return rollout
+
+    def all_agree(self, flag: bool) -> bool:
+        """True when `flag` holds on every data-parallel replica (collective over the dp group)."""
+        if self.dims.dp == 1:
+            return flag
+        t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dims.dp_group)
+        return bool(t)
+
+    def average_gradients(self, modules: list[nn.Module]) -> None:
+        """Mean of the replicas' gradients, one flat all-reduce per module (every replica has the same set)."""
+        if self.dims.dp == 1:
+            return
+        for module in modules:
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.flatten() for g in grads]) / self.dims.dp
+                dist.all_reduce(flat, group=self.dims.dp_group)
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                    g.copy_(part.view_as(g))
+
+    def average_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Each metric's mean over the replicas that report it (accept rates per position vary in number)."""
+        if self.dims.dp == 1:
+            return metrics
+        everyone: list = [None] * self.dims.dp
+        dist.all_gather_object(everyone, metrics, group=self.dims.dp_group)
+        keys = dict.fromkeys(k for m in everyone for k in m)
+        return {k: sum(vals) / len(vals) for k in keys if (vals := [float(m[k]) for m in everyone if k in m])}
+
+
+def pipeline_sharding(cfg: Config) -> PipelineParallel:
+    """The PP sharding from `parallel.*` and the launched world (torchrun's env)."""
+    p = cfg.parallel
+    if p.cp != 1:
+        raise ConfigError(f"parallel.pp={p.pp} runs with parallel.cp=1 for now (got cp={p.cp})")
+    if p.dp > 1 and cfg.rl.filter_zero_variance:
+        # a replica whose groups were all filtered out would skip the update its peers wait in
+        raise ConfigError(f"rl.filter_zero_variance=true is not supported with parallel.dp={p.dp} and "
+                          f"parallel.pp={p.pp} yet: set it to false")
+    if cfg.checkpoint.resume is not None:
+        raise ConfigError(f"checkpoint.resume cannot continue a run with parallel.pp={p.pp} yet: pipeline "
+                          "checkpoints hold no optimizer states (resume with parallel.pp=1)")
+    if p.tap_transport == "host_staging":
+        raise ConfigError("parallel.tap_transport='host_staging' deadlocks inside a pipeline schedule; "
+                          "valid values with parallel.pp > 1: auto, shm, pg")
+    _, world_size = init_distributed()
+    dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # dp * pp must equal the world size: same error everywhere
+    return PipelineParallel(dims.build())
+
+
+class PipelineTrainer(Trainer):
+    """The trainer whose update is one pipeline step over this rank's stage (see the module docstring)."""
+
+    sharding: PipelineParallel
+
+    def __init__(self, cfg: Config, run_dir: Path, sharding: PipelineParallel):
+        super().__init__(cfg, run_dir, sharding)
+        dims = sharding.dims
+        self.pp_rank, self.pp, self.group = dims.pp_rank, dims.pp, dims.pp_group
+        self.is_last = self.pp_rank == self.pp - 1
+        self.stage = self._view_stage(self.pp_rank)
+        self.device = next(self.stage.parameters()).device
+        self.n_microbatches = cfg.parallel.pp_microbatches or 2 * self.pp
+        o = cfg.optim
+        # replaces the base's optimizer of the whole policy (which never stepped, so holds no state)
+        self.policy_opt = torch.optim.AdamW(self.stage.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        self.policy_sched = torch.optim.lr_scheduler.LambdaLR(self.policy_opt, warmup(o.warmup_steps))
+        if not self.is_last:  # the draft trains on the last stage only
+            self.draft_opt = self.draft_sched = None
+        self.trained = [self.stage] if self.draft_opt is None else [self.stage, self.draft]  # this rank's modules
+        if dims.dp > 1:
+            self.task = ReplicaTask(self.task, dims.dp_rank, dims.dp)
+        args = self.policy.args
+        self.taps = self.draft.tap_layers if self.draft is not None else ()
+        self.tap_sources = tap_sources(self.taps, args.num_layers, self.pp) if self.taps else {}
+        self.stage_keys = [self._refit_keys(s) for s in range(self.pp)]
+
+    def _view_stage(self, s: int) -> nn.Module:
+        """Stage s over the full policy's own tensors: no copy, and its updates are the full copy's."""
+        with torch.device("meta"):
+            stage = build_stage(self.policy.args, s, self.pp)
+        stage.load_state_dict(stage_state_dict(self.policy.state_dict(), stage), assign=True)
+        stage.init_buffers(next(self.policy.parameters()).device)
+        return stage
+
+    def _refit_keys(self, s: int) -> list[str]:
+        """The full policy's tensors that stage s owns; a tied head is the embedding, which stage 0 owns."""
+        with torch.device("meta"):
+            keys = list(build_stage(self.policy.args, s, self.pp).state_dict())
+        if self.policy.args.tie_word_embeddings and s > 0:
+            keys = [k for k in keys if k != "lm_head.weight"]
+        return keys
+
+    def train_step(self) -> dict[str, float]:
+        """The base step (its rollout, update and refit are this class's); metrics averaged over dp replicas."""
+        return self.sharding.average_metrics(super().train_step())
+
+    # --- one update: a pipeline step per optimizer step ----------------------------------------
+    def _update(self, rollout, rows: list[list[int]], advantages: torch.Tensor, keep: torch.Tensor) -> dict:
+        rl = self.cfg.rl
+        idx = keep.nonzero().flatten().tolist()
+        n_mb = min(self.n_microbatches, len(idx))
+        if not self.sharding.all_agree(n_mb >= self.pp):  # a pipeline's ranks share the rollout: all skip together
+            log.warning("step %d: too few sequences to fill %d pipeline stages: update skipped", self.step, self.pp)
+            return {}
+        mbs, ids = split_rollouts([rows[i] for i in idx], [rollout.tokens[i] for i in idx],
+                                  [rollout.logprobs[i] for i in idx],
+                                  advantages[keep].nan_to_num(0.0).to(self.device), n_mb, device=self.device)
+        objective = JointObjective(rl, self.draft, mbs) if self.is_last else None
+        self.stage.train()
+        with self._tap_channel(ids.shape[1]) as channel:
+            module = StageModule(self.stage, self.pp_rank, self.pp, self.taps,
+                                 channel, self.draft if self.is_last else None, objective)
+            module.metas = [mb.meta for mb in mbs]
+            for _ in range(rl.optimizer_steps_per_batch):
+                metrics = self._pipeline_step(module, ids if self.pp_rank == 0 else None)
+                if channel is not None:
+                    channel.reset()
+                if metrics is None:  # a non-finite RL loss: the rest of the update is skipped, as at pp = 1
+                    return {"loss/policy": float("nan")}
+        return metrics
+
+    def _tap_channel(self, tokens: int) -> TapChannel | nullcontext:
+        """The TapChannel of this step (collective over the pipeline), sized to its microbatches."""
+        if not self.tap_sources:  # no draft, or all its taps on the last stage
+            return nullcontext()
+        p = self.cfg.parallel
+        dtype = next(self.stage.parameters()).dtype
+        spec = TapSpec(tokens, self.policy.args.hidden_size, dtype, self.device.type)
+        return TapChannel(self.tap_sources, spec, group=self.group, schedule=p.pp_schedule,
+                          n_microbatches=self.n_microbatches, transport=p.tap_transport)
+
+    def _pipeline_step(self, module: StageModule, ids: torch.Tensor | None) -> dict | None:
+        """Forward + backward over all microbatches, clip over the pipeline, optimizer steps. Returns the step's
+        metrics (the same on every rank), None when the RL loss was not finite and nothing stepped."""
+        o, objective = self.cfg.optim, module.objective
+        if objective is not None:
+            objective.reset_metrics()
+        run_pipeline(module, ids, schedule=self.cfg.parallel.pp_schedule, group=self.group, device=self.device)
+        sum_tied_grads(self.stage, self.group)
+        self.sharding.average_gradients(self.trained)
+        report = self._last_stage_report(objective)
+        self.skipped_draft_steps += report["skipped_draft"]
+        metrics = report["metrics"]
+        if not self.sharding.all_agree(report["finite"]):
+            log.warning("non-finite RL loss at step %d: update skipped", self.step)
+            self.policy_opt.zero_grad(set_to_none=True)
+            if self.draft is not None:
+                self.draft.zero_grad(set_to_none=True)
+            return None
+        metrics["grad_norm/policy"] = self._clip_policy(o.grad_clip or math.inf)
+        self.policy_opt.step()
+        self.policy_sched.step()
+        self.policy_opt.zero_grad(set_to_none=True)
+        if self.draft_opt is not None:
+            self.draft_opt.step()
+            self.draft_sched.step()
+            self.draft_opt.zero_grad(set_to_none=True)
+        return metrics
+
+    def _last_stage_report(self, objective: JointObjective | None) -> dict:
+        """The last stage's loss metrics, finiteness and draft grad norm (clipped there, before the broadcast:
+        the draft's gradients live on the last stage only), on every rank of the pipeline."""
+        report = None
+        if objective is not None:
+            metrics = {k: float(v) for k, v in objective.metrics.items()}
+            if self.draft_opt is not None:
+                norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.cfg.optim.draft_grad_clip
+                                                      or math.inf)
+                metrics["grad_norm/draft"] = float(norm)
+            if objective.skipped_draft:
+                log.warning("non-finite draft loss at step %d (%d microbatches): left out of the draft update",
+                            self.step, objective.skipped_draft)
+                metrics["loss/draft"] = float("nan")
+            report = {"metrics": metrics, "finite": objective.finite, "skipped_draft": int(objective.skipped_draft > 0)}
+        return self.sharding.broadcast(report, self.sharding.dims.pp_ranks[-1])
+
+    def _clip_policy(self, max_norm: float) -> float:
+        """clip_grad_norm_ over the whole policy: squared norms summed over the stages, the tied head (the last
+        stage's copy of the embedding, whose gradient equals the embedding's) counted once."""
+        params = [(n, p) for n, p in self.stage.named_parameters() if p.grad is not None]
+        duplicate = {"lm_head.weight"} if self.policy.args.tie_word_embeddings and self.pp_rank > 0 else set()
+        squares = [p.grad.detach().float().square().sum() for n, p in params if n not in duplicate]
+        total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
+        dist.all_reduce(total, group=self.group)
+        norm = total.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for _, p in params:
+            p.grad.mul_(scale.to(p.grad.dtype))
+        return float(norm)
+
+    # --- refit ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def refit(self) -> None:
+        """Every rank's full copy takes each stage's weights from that stage's rank, and the draft from the last."""
+        full = self.policy.state_dict()
+        ranks = self.sharding.dims.pp_ranks
+        for s, keys in enumerate(self.stage_keys):
+            for k in keys:
+                dist.broadcast(full[k], src=ranks[s], group=self.group)
+        if self.draft is not None:
+            for t in (*self.draft.parameters(), *self.draft.buffers()):
+                dist.broadcast(t.data, src=ranks[-1], group=self.group)
+        self.policy.eval()
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Rank 0's refitted full policy and the draft, without optimizer states (see the module docstring)."""
+        tensors = {"policy": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+        if self.draft is not None:
+            tensors["draft"] = self.draft.state_dict()
+        meta = {
+            "task": self.task.state_dict(),
+            "skipped_draft_steps": self.skipped_draft_steps,
+            "config": {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS},
+            "pipeline": {"pp": self.pp, "optimizer_states": False},
+        }
+        return save_checkpoint(self.run_dir, self.step, tensors=tensors, optimizers={}, meta=meta,
+                               keep=self.cfg.checkpoint.keep)
+
+

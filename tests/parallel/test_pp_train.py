@@ -1,0 +1,133 @@
+"""The co-training step under pipeline parallelism, through the trainer: pp=2 gives the pp=1 loss and gradients,
+refit leaves every rank with the same weights (dp replicas too), and `codraft train parallel.pp=2` writes a normal
+run's metrics."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from codraft.cli import main
+from codraft.config import load_config
+from codraft.parallel.dp_task import ReplicaTask
+from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
+from codraft.rl.sharding import Sharding
+from codraft.rl.trainer import Trainer, build_task
+from tests.distributed import run_workers
+from tests.parallel.test_cp_train import TINY, fixed_rollout
+
+EAGLE3_EXACT = ["draft.family=eagle3", "draft.draft_vocab_size=0", "draft.ttt_steps=2"]  # split loss is exact
+
+
+def captured_update(trainer: Trainer, policy: torch.nn.Module) -> tuple[dict, dict]:
+    """Metrics and the gradients the optimizers would apply (after clipping), of one update on the fixed rollout;
+    `policy` is what the policy optimizer steps (the whole policy, or this rank's stage)."""
+    grads = {}
+    for name, opt, module in (("policy", trainer.policy_opt, policy), ("draft", trainer.draft_opt, trainer.draft)):
+        if opt is not None:
+            opt.step = lambda name=name, module=module: grads.update(
+                {f"{name}.{n}": p.grad.numpy().copy() for n, p in module.named_parameters() if p.grad is not None}
+            )
+    metrics = trainer._update(*fixed_rollout(trainer.policy.args.vocab_size))
+    return metrics, grads
+
+
+def _pp_matches_single(rank: int, world_size: int, draft: list[str], run_dir: str):
+    cfg = load_config(None, [*TINY, *draft, f"run.dir={run_dir}", f"parallel.pp={world_size}"])
+    single = Trainer(cfg, run_dir, Sharding())
+    pp = PipelineTrainer(cfg, run_dir, pipeline_sharding(cfg))
+    return captured_update(single, single.policy), captured_update(pp, pp.stage)
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
+@pytest.mark.parametrize("draft", [["draft.family=none"], EAGLE3_EXACT, [*EAGLE3_EXACT, "model.path=tiny-qwen3"]],
+                         ids=["no-draft", "eagle3", "eagle3-untied-head"])
+def test_pp2_update_matches_pp1_loss_and_all_gradients(tmp_path, draft):
+    results = run_workers(_pp_matches_single, 2, draft, str(tmp_path), timeout=120)
+    (m1, g1), _ = results[0]
+    pp_grads = {}
+    for rank, (_, (m2, g2)) in enumerate(results):
+        for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "entropy"):
+            assert (key in m1) == (key in m2), key
+            if key in m1:
+                assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (rank, key)
+        for name, g in g2.items():
+            # a tied head (no name of its own at pp=1) is the last stage's copy of the embedding: same gradient
+            ref = name if name in g1 else "policy.embed_tokens.weight"
+            pp_grads.setdefault(ref, []).append(g)
+    assert pp_grads.keys() == g1.keys()
+    for name, grads in pp_grads.items():
+        for g in grads:
+            torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(g1[name]), rtol=1e-4, atol=1e-5,
+                                       msg=name)
+
+
+def _two_steps_then_weights(rank: int, world_size: int, run_dir: str, dp: int = 1):
+    parallel = [f"parallel.dp={dp}", f"parallel.pp={world_size // dp}"]
+    cfg = load_config(None, [*TINY, *EAGLE3_EXACT, f"run.dir={run_dir}", *parallel])
+    trainer = PipelineTrainer(cfg, run_dir, pipeline_sharding(cfg))
+    before = {n: t.numpy().copy() for n, t in trainer.policy.state_dict().items()}
+    metrics = [trainer.train_step() for _ in range(2)]
+    weights = {f"policy.{n}": t.numpy().copy() for n, t in trainer.policy.state_dict().items()}
+    weights |= {f"draft.{n}": t.numpy().copy() for n, t in trainer.draft.state_dict().items()}
+    return before, weights, metrics
+
+
+def test_refit_gives_every_rank_the_trained_weights(tmp_path):
+    results = run_workers(_two_steps_then_weights, 2, str(tmp_path), timeout=120)
+    (before, weights, metrics), (_, other, other_metrics) = results
+    assert weights.keys() == other.keys()
+    for name, w in weights.items():
+        np.testing.assert_array_equal(w, other[name], err_msg=name)
+    moved = [n for n, w in before.items() if not np.array_equal(w, weights[f"policy.{n}"])]
+    assert "embed_tokens.weight" in moved and any(n.startswith("layers.0.") for n in moved)
+    assert any(n.startswith("layers.3.") for n in moved)  # the last stage's layers reached rank 0's copy too
+    for m, o in zip(metrics, other_metrics, strict=True):  # the train metrics came from the last stage
+        assert m["loss/policy"] == o["loss/policy"] and m["grad_norm/draft"] == o["grad_norm/draft"]
+        assert m["time/refit_s"] > 0
+
+
+def _train(rank: int, world_size: int, overrides: list[str]) -> int:
+    return main(["train", *overrides])
+
+
+def test_codraft_train_pp2_writes_every_metric_of_a_pp1_run(tmp_path):
+    common = [*TINY, *EAGLE3_EXACT, "rl.steps=2"]
+    assert main(["train", *common, f"run.dir={tmp_path / 'pp1'}"]) == 0
+    overrides = [*common, "parallel.pp=2", f"run.dir={tmp_path / 'pp2'}"]
+    assert run_workers(_train, 2, overrides, timeout=120) == [0, 0]
+    rows = {pp: [json.loads(line) for line in (tmp_path / pp / "metrics.jsonl").read_text().splitlines()]
+            for pp in ("pp1", "pp2")}
+    assert [r["step"] for r in rows["pp2"]] == [1, 2]  # one writer
+    for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft"):  # step 1: the same rollout
+        assert rows["pp2"][0][key] == pytest.approx(rows["pp1"][0][key], rel=1e-4, abs=1e-6), key
+    for r1, r2 in zip(rows["pp1"], rows["pp2"], strict=True):
+        assert r2.keys() == r1.keys()
+        assert r2["loss/policy"] is not None and r2["loss/draft"] is not None
+    ckpt = tmp_path / "pp2" / "checkpoints"
+    assert (ckpt / (ckpt / "latest").read_text() / "policy.safetensors").is_file()
+
+
+def test_pp_degree_not_matching_the_world_fails_on_every_rank(tmp_path):
+    overrides = [*TINY, "draft.family=none", "parallel.pp=3", f"run.dir={tmp_path}"]
+    assert run_workers(_train, 2, overrides, timeout=60) == [2, 2]
+
+
+def test_dp2_pp2_replicas_train_on_their_own_prompts_and_keep_one_set_of_weights(tmp_path):
+    results = run_workers(_two_steps_then_weights, 4, str(tmp_path), 2, timeout=180)
+    _, weights, metrics = results[0]
+    for _, other, other_metrics in results[1:]:
+        for name, w in weights.items():
+            np.testing.assert_array_equal(w, other[name], err_msg=name)
+        for m, o in zip(metrics, other_metrics, strict=True):  # averaged over the replicas: the same everywhere
+            assert {k: v for k, v in o.items() if not k.startswith("time/")} == pytest.approx(
+                {k: v for k, v in m.items() if not k.startswith("time/")}, rel=1e-6)
+
+
+def test_replicas_split_every_draw_of_the_prompts():
+    cfg = load_config(None, TINY)
+    whole, replicas = build_task(cfg), [ReplicaTask(build_task(cfg), r, 2) for r in range(2)]
+    for _ in range(2):
+        assert whole.sample(6) == replicas[0].sample(3) + replicas[1].sample(3)
+    assert replicas[1].state_dict() == whole.state_dict()
