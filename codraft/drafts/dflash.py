@@ -71,7 +71,7 @@ from codraft.attention import AttentionOutput, Branches, branch_attention
 from codraft.config import DraftConfig
 from codraft.drafts.anchors import sample_anchors
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
-from codraft.drafts.export import draft_config, load_checked, register_family
+from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.models import KVCache, ModelArgs
@@ -389,18 +389,7 @@ class DFlashDraft(DraftModel):
         ):
             if config.get(key, have) != have:
                 raise ValueError(f"draft config {key}={config[key]} does not fit the policy's {key}={have}")
-        layer_args = replace(
-            policy_args,
-            qk_norm=True,
-            attention_bias=False,
-            intermediate_size=config["intermediate_size"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config["num_key_value_heads"],
-            head_dim=config.get("head_dim") or policy_args.hidden_size // config["num_attention_heads"],
-            rms_norm_eps=config["rms_norm_eps"],
-            rope_theta=config["rope_theta"],
-            rope_scaling=config.get("rope_scaling"),
-        )
+        layer_args = exported_layer_args(replace(policy_args, qk_norm=True, attention_bias=False), config)
         draft = cls(cls.config_from_export(config), policy_args, layer_args=layer_args)
         back = {new: old for old, new in EXPORT_NAMES.items()}
         load_checked(draft, {_rename(name, back): t for name, t in state.items()})

@@ -30,7 +30,7 @@ from torch import nn
 from codraft.attention import AttentionOutput, Branches, branch_attention
 from codraft.config import DraftConfig
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
-from codraft.drafts.export import draft_config, load_checked, register_family
+from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.drafts.vocab import build_draft_vocab
@@ -330,17 +330,7 @@ class Eagle3Draft(DraftModel):
             tap_layers=taps,
             draft_vocab_size=config.get("draft_vocab_size") or config["vocab_size"],
         )
-        layer_args = replace(
-            draft_layer_args(policy_args),
-            intermediate_size=config["intermediate_size"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config["num_key_value_heads"],
-            head_dim=config.get("head_dim") or policy_args.hidden_size // config["num_attention_heads"],
-            rms_norm_eps=config["rms_norm_eps"],
-            rope_theta=config["rope_theta"],
-            rope_scaling=config.get("rope_scaling"),
-            max_position_embeddings=config.get("max_position_embeddings", policy_args.max_position_embeddings),
-        )
+        layer_args = exported_layer_args(draft_layer_args(policy_args), config)
         draft = cls(cfg, policy_args, layer_args=layer_args)
         load_checked(draft, {("fusion." + n if n.startswith("fc.") else n): t for n, t in state.items()})
         return draft

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from codraft.config import DraftConfig
 from codraft.drafts.base import DraftModel
-from codraft.models import Transformer
+from codraft.models import ModelArgs, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -110,3 +110,18 @@ def load_checked(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> Non
                 f"draft weight {name} has shape {tuple(t.shape)} but the config gives {tuple(expected[name].shape)}"
             )
     module.load_state_dict(state, assign=True)
+
+
+def exported_layer_args(base: ModelArgs, config: dict) -> ModelArgs:
+    """`base` with the draft layer's shapes as an exported config.json states them (HF key names)."""
+    return dataclasses.replace(
+        base,
+        intermediate_size=config["intermediate_size"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=config.get("head_dim") or base.hidden_size // config["num_attention_heads"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        rope_scaling=config.get("rope_scaling"),
+        max_position_embeddings=config.get("max_position_embeddings", base.max_position_embeddings),
+    )
