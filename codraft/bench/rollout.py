@@ -6,8 +6,9 @@ Per batch size, interleaved repeats (medians reported) of:
   transformers assisted generation with the same drafter (prompt lookup; batch 1 only,
   transformers does not batch it)
 All runs are greedy with stop tokens off, so every system produces the same number of tokens
-and codraft's outputs can be checked against transformers'. Decode time per step is set
-against the memory-bandwidth floor: (bytes of weights + KV cache read per step) / bandwidth.
+and codraft's outputs can be checked against transformers'. (transformers is told to stop on no
+token, eos_token_id=-1, rather than given min_new_tokens, which would mask EOS and change the text.)
+Decode time per step is set against the memory-bandwidth floor: (bytes of weights + KV cache read per step) / bandwidth.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _hf_generate(hf, prompts: list[list[int]], pad_id: int, n: int, **kwargs) ->
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=-1,
                           pad_token_id=pad_id, **kwargs)
     return out[:, width:].tolist()
 
@@ -91,7 +92,8 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
         tokens = batch * max_new_tokens
         tps = {name: tokens / median(ts) for name, ts in times.items()}
         ar, spec, adaptive = outputs["codraft_ar"], outputs["codraft_ngram"], outputs["codraft_ngram_adaptive"]
-        same_as_hf = ar.tokens == outputs["hf_generate"] and spec.tokens == ar.tokens and adaptive.tokens == ar.tokens
+        same_as_hf = ar.tokens == outputs["hf_generate"]
+        spec_same_as_ar = spec.tokens == ar.tokens and adaptive.tokens == ar.tokens
         step_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
         mean_ctx = sum(map(len, prompts)) / batch + max_new_tokens / 2
         kv_bytes = 2 * args.num_layers * batch * args.num_kv_heads * mean_ctx * args.head_dim * 4
@@ -114,7 +116,8 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
             "decode_step_ms": 1000 * step_s,
             "bandwidth_floor_step_ms": 1000 * floor_s,
             "fraction_of_bandwidth_floor": floor_s / step_s,
-            "outputs_identical_to_transformers": same_as_hf,
+            "ar_identical_to_transformers": same_as_hf,
+            "speculative_identical_to_ar": spec_same_as_ar,
         }
         results.append(result)
         log.info("batch %d: %s", batch, {k_: round(v, 3) if isinstance(v, float) else v for k_, v in result.items()
@@ -122,10 +125,10 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
         rows.append([batch, tps["codraft_ar"], tps["hf_generate"], result["ratio_ar_vs_hf"], tps["codraft_ngram"],
                      result["tau_ngram"], tps["codraft_ngram_adaptive"], result["ratio_adaptive_vs_ar"],
                      str(result["adaptive_k_histogram"]), tps.get("hf_assisted_prompt_lookup", float("nan")),
-                     result["decode_step_ms"], result["bandwidth_floor_step_ms"], same_as_hf])
+                     result["decode_step_ms"], result["bandwidth_floor_step_ms"], same_as_hf, spec_same_as_ar])
     header = ["batch", "codraft AR tok/s", "HF generate tok/s", "AR / HF", "codraft n-gram tok/s", "tau n-gram",
               "codraft adaptive tok/s", "adaptive / AR", "adaptive k used", "HF assisted tok/s",
-              "decode ms/step", "bandwidth floor ms/step", "same tokens as HF"]
+              "decode ms/step", "bandwidth floor ms/step", "AR tokens = HF", "spec tokens = AR"]
     table = markdown_table(header, rows)
     table += (f"\nk = {k}, {max_new_tokens} new tokens per row, greedy, medians of {repeats} interleaved repeats; "
               f"read bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB.\n")
