@@ -88,8 +88,9 @@ def plot(history: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_e2e_bench(base: Config, draft_paths: dict[str, str], out_dir: str) -> dict:
-    """draft_paths: family -> warm-started draft directory (from draft-train)."""
+def run_e2e_bench(base: Config, draft_paths: dict[str, str], out_dir: str, runs_dir: str | Path) -> dict:
+    """draft_paths: family -> warm-started draft directory (from draft-train). Each variant trains in
+    <runs_dir>/<variant> (checkpoints stay there); only the tables and plots go to out_dir."""
     out = Path(out_dir)
     variants: dict[str, dict] = {"baseline": {"draft.family": "none"}}
     for family, path in draft_paths.items():
@@ -97,7 +98,7 @@ def run_e2e_bench(base: Config, draft_paths: dict[str, str], out_dir: str) -> di
     if "eagle3" in draft_paths:
         variants["frozen_eagle3"] = {"draft.family": "eagle3", "checkpoint.draft_init": draft_paths["eagle3"],
                                      "rl.draft_weight": 0.0}
-    history = run_variants(base, variants, out / "e2e_runs")
+    history = run_variants(base, variants, Path(runs_dir))
     summary = summarize(history)
     plot(history, out / "e2e.png")
     header = ["run", "tau (median)", "tau (last step)", "rollout speedup", "e2e speedup", "reward first",

@@ -68,7 +68,7 @@ def _e2e(cfg: Config) -> None:
     }
     if not drafts:
         raise ConfigError(f"bench.draft_root: '{root}' holds no eagle3/, dflash/ or dspark/ exported draft")
-    run_e2e_bench(cfg, drafts, cfg.bench.out_dir)
+    run_e2e_bench(cfg, drafts, cfg.bench.out_dir, runs_dir=cfg.run.dir or "runs/e2e")
 
 
 def _tapchannel(cfg: Config) -> None:

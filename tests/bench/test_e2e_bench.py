@@ -13,7 +13,7 @@ def test_e2e_bench_runs_every_variant_and_writes_table_and_plot(tmp_path):
     policy, tokenizer = load_policy(cfg)
     warm = tmp_path / "warm_eagle3"
     export_draft(build_draft(cfg.draft, policy, tokenizer), warm)
-    run_e2e_bench(cfg, {"eagle3": str(warm)}, str(tmp_path))
+    run_e2e_bench(cfg, {"eagle3": str(warm)}, str(tmp_path), runs_dir=tmp_path / "runs")
     payload = json.loads((tmp_path / "e2e.json").read_text())
     runs = {s["run"]: s for s in payload["summary"]}
     assert set(runs) == {"baseline", "eagle3", "frozen_eagle3"}
@@ -21,3 +21,4 @@ def test_e2e_bench_runs_every_variant_and_writes_table_and_plot(tmp_path):
     assert all(len(payload["history"][name]) == 3 for name in runs)
     assert (tmp_path / "e2e.md").read_text().startswith("| run |")
     assert (tmp_path / "e2e.png").stat().st_size > 0
+    assert (tmp_path / "runs" / "eagle3" / "metrics.jsonl").is_file()
