@@ -179,9 +179,7 @@ class BranchAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dbout, dblse):
-        for d in (dlse, dblse):
-            if d is not None and bool(d.any()):
-                raise NotImplementedError("fused attention does not backpropagate through the LSE; use impl='dense'")
+        refuse_lse_grad("fused", dlse, dblse)
         q, k, v, bq, bk, bv, out, lse, bout, blse = ctx.saved_tensors
         plan: Plan = ctx.plan
         dtype = acc_dtype(k.dtype)
@@ -207,6 +205,12 @@ class BranchAttentionFn(torch.autograd.Function):
                 dbq = (dbq + gq).to(bq.dtype)
         dk, dv = reduce_kv(dk, Hkv).to(k.dtype), reduce_kv(dv, Hkv).to(v.dtype)
         return dq, dk, dv, dbq, dbk, dbv, None
+
+
+def refuse_lse_grad(op: str, *grads: torch.Tensor | None) -> None:
+    """The block backwards take the final LSE as given, so no gradient may flow through it."""
+    if any(d is not None and bool(d.any()) for d in grads):
+        raise NotImplementedError(f"{op} attention does not backpropagate through the LSE; use impl='dense'")
 
 
 def fused_branch_attention(

@@ -36,7 +36,15 @@ import torch.distributed as dist
 from torch import nn
 
 from codraft.attention.branches import AttentionOutput, Branches, acc_dtype, check_inputs, default_scale
-from codraft.attention.fused import Plan, causal_segments, is_ttt_shape, prefix_bwd, prefix_calls, prefix_fwd
+from codraft.attention.fused import (
+    Plan,
+    causal_segments,
+    is_ttt_shape,
+    prefix_bwd,
+    prefix_calls,
+    prefix_fwd,
+    refuse_lse_grad,
+)
 from codraft.attention.kernels import attn_bwd, attn_fwd, expand_kv, reduce_kv
 from codraft.attention.merge import merge_attention
 
@@ -154,9 +162,7 @@ class RingBranchAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse, dbout, dblse):
-        for d in (dlse, dblse):
-            if d is not None and bool(d.any()):
-                raise NotImplementedError("ring attention does not backpropagate through the LSE; use impl='dense'")
+        refuse_lse_grad("ring", dlse, dblse)
         q, k, v, bq, bk, bv, out, lse, bout, blse = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         ring: Ring = ctx.ring
