@@ -21,6 +21,7 @@ from codraft.config import DraftConfig
 from codraft.drafts.layers import TapFusion
 from codraft.drafts.shard import TokenShard
 from codraft.models import KVCache, ModelArgs, Transformer
+from codraft.models.model import packed_positions
 from codraft.rollout.drafter import Drafter, Proposal
 from codraft.rollout.sampling import SamplingParams
 
@@ -48,8 +49,7 @@ class DraftBatch:
     def rope_positions(self) -> torch.Tensor:
         if self.positions is not None:
             return self.positions
-        steps = torch.arange(self.input_ids.numel(), device=self.input_ids.device)
-        return steps - self.cu_seqlens[:-1].repeat_interleave(self.cu_seqlens.diff())
+        return packed_positions(self.cu_seqlens)
 
 
 # (q [T, H, D] | None, k/v [T, Hkv, D], cu_seqlens [N+1], branches | None) -> AttentionOutput

@@ -36,6 +36,12 @@ def packed_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     return out
 
 
+def packed_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[T] position of each packed token within its own sequence."""
+    steps = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+    return steps - cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor | None  # [B, S, V]; None for a stage without head
@@ -218,11 +224,10 @@ class Transformer(nn.Module):
     def _positions(
         B: int, S: int, device: torch.device, cu_seqlens: torch.Tensor | None, cache: KVCache | None
     ) -> torch.Tensor:
-        steps = torch.arange(S, device=device)
         if cu_seqlens is not None:
-            assert B == 1, "packed inputs are [1, T]"
-            starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
-            return (steps - starts).unsqueeze(0)
+            assert B == 1 and int(cu_seqlens[-1]) == S, "packed inputs are [1, T] with cu_seqlens ending at T"
+            return packed_positions(cu_seqlens).unsqueeze(0)
+        steps = torch.arange(S, device=device)
         if cache is not None:
             return cache.lengths[:, None] + steps
         return steps.expand(B, S)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from codraft.models.model import packed_positions
 from codraft.parallel.pipeline import MicrobatchMeta
 from codraft.rl.batch import PackedRollouts, pack_rollouts
 
@@ -39,7 +40,6 @@ def split_rollouts(prompts: list[list[int]], completions: list[list[int]], logpr
         cu = b.cu_seqlens
         if length > tokens:  # padding is a sequence of its own: no real token attends to it
             cu = F.pad(cu, (0, 1), value=length)
-        positions = torch.arange(length, device=device) - cu[:-1].repeat_interleave(cu.diff())
-        meta = MicrobatchMeta(cu_seqlens=cu, positions=positions[None], tokens=tokens)
+        meta = MicrobatchMeta(cu_seqlens=cu, positions=packed_positions(cu)[None], tokens=tokens)
         microbatches.append(Microbatch(b, advantages[g.to(advantages.device)], meta))
     return microbatches, ids

@@ -17,6 +17,7 @@ from torch import nn
 
 from codraft.drafts import DraftBatch
 from codraft.drafts.shard import TokenShard
+from codraft.models.model import packed_positions
 from codraft.observability import prepare_run_dir
 from codraft.rl.batch import PackedRollouts, token_entropy, token_logprobs
 
@@ -63,12 +64,6 @@ class BatchView:
         )
 
 
-def sequence_positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T] position of each packed token within its sequence."""
-    steps = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
-    return steps - cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
-
-
 class Sharding:
     """One process computes everything."""
 
@@ -86,7 +81,7 @@ class Sharding:
 
     def view(self, batch: PackedRollouts) -> BatchView:
         shard = TokenShard(batch.input_ids, batch.response_mask, batch.cu_seqlens)
-        positions = sequence_positions(batch.cu_seqlens)
+        positions = packed_positions(batch.cu_seqlens)
         return BatchView(batch, batch.input_ids, positions, batch.cu_seqlens, batch.response_mask, shard)
 
     def reduce_gradients(self, modules: list[nn.Module]) -> None:
