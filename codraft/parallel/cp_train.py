@@ -20,9 +20,7 @@ Per step, on the cp ranks of a CP group (every rank holds full policy and draft 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +29,7 @@ from torch import nn
 from codraft.config import Config, ConfigError
 from codraft.parallel.cp_draft import CPTokenShard, apply_cp_to_draft
 from codraft.parallel.cp_shard import ZigzagLayout, gather, shard_batch
+from codraft.parallel.group_sharding import GroupSharding, all_reduce_grads
 from codraft.parallel.mesh import ParallelDims, init_distributed
 from codraft.parallel.ring_attention import apply_cp
 from codraft.rl.batch import PackedRollouts
@@ -53,40 +52,17 @@ class CPBatchView(BatchView):
         return gather(local, self.layout, self.group)[self.batch.logprob_index]  # [T] -> [R]
 
 
-class ContextParallel(Sharding):
+class ContextParallel(GroupSharding):
     """cp ranks share every step's batch; ParallelDims has built the groups."""
 
     def __init__(self, dims: ParallelDims):
-        self.dims, self.group = dims, dims.cp_group
-        self.is_writer = dims.cp_rank == 0
-        self.root = dims.cp_ranks[0]  # global rank of CP rank 0 (broadcast takes global ranks)
-
-    def _broadcast(self, obj):
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.root, group=self.group)
-        return box[0]
-
-    def prepare_run_dir(self, cfg) -> Path:
-        """CP rank 0 creates the run directory; the others take its path (run.dir may be a fresh timestamp)."""
-        path = super().prepare_run_dir(cfg) if self.is_writer else None
-        cfg.run.dir = self._broadcast(None if path is None else str(path))
-        return Path(cfg.run.dir)
+        super().__init__(dims, dims.cp_group, dims.cp_ranks)
 
     def apply(self, policy: nn.Module, draft: nn.Module | None) -> None:
-        for module in (policy, draft):
-            if module is not None:
-                for t in (*module.parameters(), *module.buffers()):  # same start everywhere, whatever the init
-                    dist.broadcast(t.data, src=self.root, group=self.group)
+        super().apply(policy, draft)
         apply_cp(policy, self.dims)
         if draft is not None:
             apply_cp_to_draft(draft, self.dims)
-
-    def rollout(self, generate: Callable):
-        """CP rank 0 generates; every rank gets its rollout and its RNG state after it."""
-        out = (generate(), torch.get_rng_state()) if self.is_writer else None
-        rollout, rng = self._broadcast(out)
-        torch.set_rng_state(rng)
-        return rollout
 
     def view(self, batch: PackedRollouts) -> CPBatchView:
         T = batch.input_ids.numel()
@@ -114,13 +90,7 @@ class ContextParallel(Sharding):
         )
 
     def reduce_gradients(self, modules: list[nn.Module]) -> None:
-        for module in modules:
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
-            if grads:  # one flat all-reduce per module; every rank has the same set of gradients
-                flat = torch.cat([g.flatten() for g in grads])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                    g.copy_(part.view_as(g))
+        all_reduce_grads(modules, self.group)
 
 
 def sharding_for(cfg: Config) -> Sharding:

@@ -36,6 +36,7 @@ from torch import nn
 
 from codraft.config import Config, ConfigError, config_to_dict
 from codraft.parallel.dp_task import ReplicaTask
+from codraft.parallel.group_sharding import GroupSharding, all_reduce_grads
 from codraft.parallel.mesh import ParallelDims, init_distributed
 from codraft.parallel.pipeline import (
     StageModule,
@@ -49,45 +50,16 @@ from codraft.parallel.tapchannel import TapChannel, TapSpec
 from codraft.rl.checkpoint import save_checkpoint
 from codraft.rl.microbatch import split_rollouts
 from codraft.rl.pipeline_loss import JointObjective
-from codraft.rl.sharding import Sharding
 from codraft.rl.trainer import RESUME_SECTIONS, Trainer, warmup
 
 log = logging.getLogger(__name__)
 
 
-class PipelineParallel(Sharding):
+class PipelineParallel(GroupSharding):
     """The pp ranks of one pipeline share every step's rollout; ParallelDims has built the groups."""
 
     def __init__(self, dims: ParallelDims):
-        self.dims, self.group = dims, dims.pp_group
-        self.is_writer = dims.rank == 0
-        self.root = dims.pp_ranks[0]  # global rank of pipeline rank 0 (broadcast takes global ranks)
-
-    def broadcast(self, obj, src: int, group: dist.ProcessGroup | None = None):
-        """obj from global rank `src` to the pipeline (or `group`)."""
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=group or self.group)
-        return box[0]
-
-    def prepare_run_dir(self, cfg) -> Path:
-        """Rank 0 creates the run directory; the others take its path (run.dir may be a fresh timestamp)."""
-        path = super().prepare_run_dir(cfg) if self.is_writer else None
-        cfg.run.dir = self.broadcast(None if path is None else str(path), 0, dist.group.WORLD)
-        return Path(cfg.run.dir)
-
-    def apply(self, policy: nn.Module, draft: nn.Module | None) -> None:
-        """The same full policy and draft on every rank, whatever the init."""
-        for module in (policy, draft):
-            if module is not None:
-                for t in (*module.parameters(), *module.buffers()):
-                    dist.broadcast(t.data, src=0)
-
-    def rollout(self, generate):
-        """Pipeline rank 0 generates; every rank of the pipeline gets its rollout and its RNG state after it."""
-        out = (generate(), torch.get_rng_state()) if self.dims.pp_rank == 0 else None
-        rollout, rng = self.broadcast(out, self.root)
-        torch.set_rng_state(rng)
-        return rollout
+        super().__init__(dims, dims.pp_group, dims.pp_ranks)
 
     def all_agree(self, flag: bool) -> bool:
         """True when `flag` holds on every data-parallel replica (collective over the dp group)."""
@@ -99,15 +71,8 @@ class PipelineParallel(Sharding):
 
     def average_gradients(self, modules: list[nn.Module]) -> None:
         """Mean of the replicas' gradients, one flat all-reduce per module (every replica has the same set)."""
-        if self.dims.dp == 1:
-            return
-        for module in modules:
-            grads = [p.grad for p in module.parameters() if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.flatten() for g in grads]) / self.dims.dp
-                dist.all_reduce(flat, group=self.dims.dp_group)
-                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                    g.copy_(part.view_as(g))
+        if self.dims.dp > 1:
+            all_reduce_grads(modules, self.dims.dp_group, divide_by=self.dims.dp)
 
     def average_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each metric's mean over the replicas that report it (accept rates per position vary in number)."""
