@@ -97,7 +97,7 @@ class ParallelConfig:
     cp: int = 1
     pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
     pp_microbatches: int = 0  # groups of whole sequences per pipeline step; 0 = 2 * pp
-    tap_transport: Literal["auto", "shm", "pg", "host_staging"] = "auto"  # TapChannel; host_staging: bench only
+    tap_transport: Literal["auto", "shm", "pg", "host_staging"] = "auto"  # TapChannel; host_staging: blocking baseline
 
     def validate(self) -> None:
         for name in ("dp", "pp", "cp"):
@@ -272,7 +272,10 @@ class DraftTrainConfig:
     warmup_steps: int = 5
     temperature: float = 1.0  # of the policy's responses (the eval runs at 0 and 1 regardless)
     max_new_tokens: int = 32
-    generate_batch_size: int = 32
+    generate_batch_size: int = 32  # also the batch of the policy forwards that fill the cache
+    # compute the frozen policy's taps and response log-probs (fp16) once per response, not once per epoch:
+    # about (number of taps x hidden x 4 + vocab x 2) bytes per response token of host memory
+    cache_policy_outputs: bool = True
     save_every: int = 0  # steps between exported drafts; 0 = only at the end
     eval_k: int = 7  # speculative tokens in the eval (EAGLE-3; DFlash/DSpark use draft.block_size - 1)
     eval_max_new_tokens: int = 32

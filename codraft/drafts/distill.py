@@ -2,8 +2,13 @@
 
 `start_distillation` generates the responses with the rollout engine, builds the draft (EAGLE-3's
 draft vocabulary from the responses' token counts) and returns a `Distiller`; each `step()` then
-reads top to bottom: a batch of responses -> ONE no-grad packed policy forward giving taps and
-logits -> `draft.loss` -> backward -> clip -> AdamW step on the draft only.
+reads top to bottom: a batch of responses -> the policy's taps and logits for it -> `draft.loss` ->
+backward -> clip -> AdamW step on the draft only.
+
+The policy is frozen, so by default its outputs are computed once per response (`PolicyOutputs`) and
+every epoch reuses them: the taps as they are, the logits as fp16 log-probabilities of the rows that
+predict response tokens (the only rows the draft losses read). With `draft_train.cache_policy_outputs
+= false` each step runs its own no-grad packed policy forward instead.
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 from codraft.config import Config, DraftTrainConfig
 from codraft.drafts import DraftBatch, DraftModel, build_draft
 from codraft.models import Tokenizer, Transformer
+from codraft.observability import progress
 from codraft.rl.batch import pack_rollouts
 from codraft.rl.tasks import JsonlTask, build_prompt_ids
 from codraft.rl.trainer import build_task, warmup
@@ -66,6 +73,46 @@ def draft_batch(policy: Transformer, draft: DraftModel, prompts: list[list[int]]
     )
 
 
+@dataclass
+class PolicyOutputs:
+    """The frozen policy's detached outputs for one (prompt, response), as every epoch's draft batches read them."""
+
+    taps: dict[int, torch.Tensor]  # policy layer -> [T_i, H]
+    logprobs: torch.Tensor  # [R_i, V] fp16 log-softmax of the rows that predict the R_i response tokens
+
+
+def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], completions: list[list[int]],
+                   batch_size: int) -> list[PolicyOutputs]:
+    """`PolicyOutputs` of every pair, from packed policy forwards of `batch_size` sequences."""
+    outputs = []
+    for i in progress(range(0, len(prompts), batch_size), desc="policy outputs"):
+        batch = draft_batch(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
+        bounds = batch.cu_seqlens.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            predicts = batch.loss_mask[start + 1 : end].nonzero().flatten() + start  # rows predicting a response token
+            outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()},
+                                         batch.policy_logits[predicts].float().log_softmax(-1).half()))
+    size = sum(t.nbytes for o in outputs for t in [*o.taps.values(), o.logprobs])
+    log.info("cached the policy's taps and response log-probs of %d responses: %.2f GB", len(outputs), size / 1e9)
+    return outputs
+
+
+def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs: list[PolicyOutputs]) -> DraftBatch:
+    """The DraftBatch `draft_batch` would build, from cached outputs: rows that predict no response token (which
+    no draft loss reads) hold zero logits."""
+    device = outputs[0].logprobs.device
+    packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
+    logits = torch.zeros(packed.input_ids.numel(), outputs[0].logprobs.shape[-1], device=device)
+    logits[packed.logprob_index] = torch.cat([o.logprobs for o in outputs]).float()
+    return DraftBatch(
+        input_ids=packed.input_ids,
+        taps={layer: torch.cat([o.taps[layer] for o in outputs]) for layer in outputs[0].taps},
+        policy_logits=logits,
+        loss_mask=packed.response_mask,
+        cu_seqlens=packed.cu_seqlens,
+    )
+
+
 class Distiller:
     """AdamW on the draft over shuffled epochs of (prompt, response) pairs; the policy stays frozen."""
 
@@ -73,6 +120,8 @@ class Distiller:
                  completions: list[list[int]], dt: DraftTrainConfig, seed: int):
         self.policy, self.draft, self.dt = policy.eval(), draft, dt
         self.prompts, self.completions = prompts, completions
+        self.cache = (policy_outputs(policy, draft, prompts, completions, dt.generate_batch_size)
+                      if dt.cache_policy_outputs else None)
         self.opt = torch.optim.AdamW(draft.parameters(), lr=dt.lr, weight_decay=dt.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup(dt.warmup_steps))
         self.generator = torch.Generator().manual_seed(seed)
@@ -87,10 +136,14 @@ class Distiller:
             rows.append(self.order.pop())
         return rows
 
+    def batch(self, rows: list[int]) -> DraftBatch:
+        prompts, completions = [self.prompts[i] for i in rows], [self.completions[i] for i in rows]
+        if self.cache is None:
+            return draft_batch(self.policy, self.draft, prompts, completions)
+        return cached_batch(prompts, completions, [self.cache[i] for i in rows])
+
     def step(self) -> dict[str, float]:
-        rows = self.next_rows()
-        batch = draft_batch(self.policy, self.draft, [self.prompts[i] for i in rows],
-                            [self.completions[i] for i in rows])
+        batch = self.batch(self.next_rows())
         self.draft.train()
         loss, metrics = self.draft.loss(batch)
         if not torch.isfinite(loss):  # e.g. no DFlash block fits in these responses

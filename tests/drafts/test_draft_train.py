@@ -67,3 +67,42 @@ def test_draft_train_rejects_bad_config_in_one_line(tmp_path, capsys, override, 
     assert main(["draft-train", *TINY, override, f"run.dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("codraft: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_forward(family):
+    """The cache keeps the taps and only the logit rows that predict response tokens, as fp16 log-probs: every
+    family's loss and gradients must come out as from the full fp32 forward (anchors drawn the same way)."""
+    import torch
+
+    from codraft.drafts import build_draft
+    from codraft.drafts.distill import cached_batch, draft_batch, policy_outputs
+    from tests.drafts.blocks import draft_config, tiny_policy
+
+    policy = tiny_policy(dtype=torch.float32)
+    with torch.no_grad():  # a peaked policy: TV's min(p, q) kinks where p = q, and fp16 must not flip sides there
+        policy.lm_head.weight.mul_(4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
+    completions = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (12, 6, 15, 9)]
+    draft = build_draft(draft_config(family, draft_vocab_size=0), policy, None, corpus=completions)
+    cache = policy_outputs(policy, draft, prompts, completions, batch_size=3)
+    rows = [2, 0, 3]
+
+    def loss_and_grads(batch):
+        torch.manual_seed(7)  # the same DFlash anchors on both sides
+        draft.zero_grad(set_to_none=True)
+        loss, metrics = draft.loss(batch)
+        loss.backward()
+        return loss, metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    fresh = loss_and_grads(draft_batch(policy, draft, [prompts[i] for i in rows], [completions[i] for i in rows]))
+    cached = loss_and_grads(cached_batch([prompts[i] for i in rows], [completions[i] for i in rows],
+                                         [cache[i] for i in rows]))
+    torch.testing.assert_close(cached[0], fresh[0], rtol=1e-4, atol=1e-5)
+    assert cached[1].keys() == fresh[1].keys()
+    for name in fresh[1]:
+        assert cached[1][name] == pytest.approx(fresh[1][name], rel=1e-3, abs=1e-4), name
+    assert cached[2].keys() == fresh[2].keys() and fresh[2]
+    for name, grad in fresh[2].items():
+        torch.testing.assert_close(cached[2][name], grad, rtol=1e-3, atol=5e-5)  # fp16 log-probs
