@@ -92,11 +92,6 @@ class StageModule(nn.Module):
         self.channel, self.draft, self.objective = channel, draft, objective
         self.metas: list[MicrobatchMeta] = []
         assert not self.is_last or objective is not None, "the last stage computes the loss"
-        if channel is not None and "host_staging" in channel.transports.values():
-            # a host-staging post returns only once the draft stage fetched, but a stage sends its activations
-            # after its forward (where the post is): the last stage would wait for both, forever
-            raise ValueError("parallel.tap_transport='host_staging' deadlocks inside a pipeline schedule; "
-                             "valid values here: auto, shm, pg")
 
     def forward(self, x: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
         """x: token ids [1, L] (first stage) or hidden [1, L, H]; mb: [1] microbatch index."""

@@ -96,9 +96,6 @@ def pipeline_sharding(cfg: Config) -> PipelineParallel:
     if cfg.checkpoint.resume is not None:
         raise ConfigError(f"checkpoint.resume cannot continue a run with parallel.pp={p.pp} yet: pipeline "
                           "checkpoints hold no optimizer states (resume with parallel.pp=1)")
-    if p.tap_transport == "host_staging":
-        raise ConfigError("parallel.tap_transport='host_staging' deadlocks inside a pipeline schedule; "
-                          "valid values with parallel.pp > 1: auto, shm, pg")
     _, world_size = init_distributed()
     dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # dp * pp must equal the world size: same error everywhere
     return PipelineParallel(dims.build())

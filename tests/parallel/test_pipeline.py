@@ -102,6 +102,7 @@ def reference():
 
 @pytest.mark.parametrize(("pp", "schedule", "n_mb", "transport"), [
     (2, "1F1B", 4, "pg"), (2, "GPipe", 3, "auto"), (4, "1F1B", 5, "auto"), (4, "GPipe", 6, "pg"),
+    (4, "1F1B", 5, "host_staging"), (2, "GPipe", 3, "host_staging"),  # the blocking baseline must not deadlock
 ])
 def test_pipeline_step_matches_pp1(reference, pp, schedule, n_mb, transport):
     ref_loss, ref_policy, ref_draft = reference

@@ -46,7 +46,7 @@ class TapChannel:
     spec: the taps of one microbatch, per layer [tokens <= spec.max_tokens, spec.hidden] of spec.dtype.
     depth: slots per source; by default `required_depth(schedule, stage, pp, n_microbatches)`.
     transport: "auto" picks "shm" for a source on the draft stage's host (x86-64, CPU taps) and "pg" otherwise;
-      "host_staging" is the blocking baseline without run-ahead.
+      "host_staging" is the blocking baseline (one slot, post waits for the receive).
     timeout_s: bound of every wait, at either end; a dead or stalled peer raises TapChannelTimeout (or, when the
       transport notices a dead peer sooner, TapChannelError).
 
@@ -123,7 +123,8 @@ class TapChannel:
                 links[s] = PgLink(self._group, s, self.draft_stage, layouts[s], self.depths[s], self.timeout_s,
                                   is_writer=self.stage == s)
             else:
-                links[s] = HostStagingLink(self._group, s, self.draft_stage, layouts[s], self.timeout_s)
+                links[s] = HostStagingLink(self._group, s, self.draft_stage, layouts[s], self.timeout_s,
+                                           is_writer=self.stage == s)
         return links
 
     def post(self, microbatch: int, taps: dict[int, torch.Tensor]) -> None:

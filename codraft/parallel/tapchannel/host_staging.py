@@ -1,7 +1,13 @@
-"""Baseline transport for comparison: one host staging buffer and a blocking send/recv inside post/fetch.
+"""Baseline transport for comparison: one host staging slot and a blocking send inside post().
 
-No ring and no run-ahead: post() returns only once the draft stage's fetch() has received the taps (a gloo send
-completes when the matching receive is posted), so a source waits for the last stage at every microbatch.
+The taps are copied into the host buffer (pinned when they live on a GPU) and sent over the channel's gloo group;
+post() returns only once that send has completed, i.e. once the draft stage has received the microbatch. There is
+no ring: a source can be at most one microbatch ahead of the draft stage's fetches, and waits for the last stage
+at every microbatch after the first.
+
+The draft stage keeps its one receive posted ahead (the slot of the next microbatch), as the pg transport does.
+Without that, a source's post inside its forward would wait for a fetch that waits for the very activations the
+source sends only after its forward returns: a deadlock under any pipeline schedule.
 """
 
 from __future__ import annotations
@@ -9,42 +15,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from codraft.parallel.tapchannel.pg import await_work, host_buffer, start
-from codraft.parallel.tapchannel.protocol import (
-    SlotLayout,
-    describe,
-    ordering_fault,
-    reader_timeout,
-    writer_timeout,
-)
+from codraft.parallel.tapchannel.pg import PgLink, await_work
+from codraft.parallel.tapchannel.protocol import SlotLayout, TapChannelTimeout, describe
 
 
-class HostStagingLink:
-    """One source's staging buffer (slot 0 of a ring of depth 1) on the source or on the draft stage."""
+class HostStagingLink(PgLink):
+    """A PgLink of depth 1 whose post blocks until the send completed."""
 
-    def __init__(self, group: dist.ProcessGroup, source: int, draft: int, layout: SlotLayout, timeout_s: float):
-        self.source, self._group, self._draft, self._layout, self._timeout_s = source, group, draft, layout, timeout_s
-        self._buf = host_buffer(layout)
-        self._header, self._data = layout.views(self._buf)
+    def __init__(self, group: dist.ProcessGroup, source: int, draft: int, layout: SlotLayout, timeout_s: float,
+                 is_writer: bool):
+        super().__init__(group, source, draft, layout, 1, timeout_s, is_writer)
 
     def post(self, slot: int, value: int, taps: list[torch.Tensor], tokens: int) -> None:
-        self._layout.write(self._data, taps, tokens)
-        self._header.copy_(torch.tensor([value, tokens]))
-        what = f"source stage {self.source} sent {describe(value)}"
-        work = start(lambda: dist.isend(self._buf, group=self._group, group_dst=self._draft), what)
-        await_work(work, self._timeout_s, writer_timeout(self.source, slot, value, self._timeout_s), what)
-
-    def fetch(self, slot: int, expected: int) -> torch.Tensor:
-        what = f"the draft stage received {describe(expected)} from source stage {self.source}"
-        work = start(lambda: dist.irecv(self._buf, group=self._group, group_src=self.source), what)
-        await_work(work, self._timeout_s, reader_timeout(self.source, slot, expected, self._timeout_s), what)
-        found, tokens = self._header.tolist()
-        if found != expected:
-            raise ordering_fault(self.source, slot, expected, found)
-        return self._layout.read(self._data, tokens)
-
-    def drain(self) -> None:
-        """Nothing in flight: post() returns once its send completed."""
-
-    def close(self) -> None:
-        """The buffer is plain memory; the channel destroys the group."""
+        super().post(slot, value, taps, tokens)
+        what = f"source stage {self.source} waited for the draft stage to receive {describe(value)}"
+        timed_out = TapChannelTimeout(f"TapChannel timeout: source stage {self.source} waited {self._timeout_s:g} s "
+                                      f"for the draft stage to receive {describe(value)} (host staging blocks "
+                                      "until then); is the draft stage dead or stalled?")
+        await_work(self._work[slot], self._timeout_s, timed_out, what)
+        self._work[slot] = None
