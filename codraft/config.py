@@ -267,6 +267,7 @@ class DraftTrainConfig:
     steps: int = 100
     batch_size: int = 8  # sequences per step
     lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # after warm-up the lr follows a cosine from lr down to min_lr_ratio * lr
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # 0 = off
     warmup_steps: int = 5
@@ -285,6 +286,7 @@ class DraftTrainConfig:
                      "generate_batch_size", "eval_k", "eval_max_new_tokens"):
             require(getattr(self, name) >= 1, f"draft_train.{name}", ">= 1", getattr(self, name))
         require(self.lr > 0, "draft_train.lr", "> 0", self.lr)
+        require(0 <= self.min_lr_ratio <= 1, "draft_train.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
         for name in ("weight_decay", "grad_clip", "warmup_steps", "save_every"):
             require(getattr(self, name) >= 0, f"draft_train.{name}", ">= 0", getattr(self, name))
         require(self.temperature >= 0, "draft_train.temperature", ">= 0 (0 = greedy)", self.temperature)

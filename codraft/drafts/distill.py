@@ -26,7 +26,7 @@ from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
 from codraft.rl.batch import pack_rollouts
 from codraft.rl.tasks import JsonlTask, build_prompt_ids
-from codraft.rl.trainer import build_task, warmup
+from codraft.rl.trainer import build_task
 from codraft.rollout import generate
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,16 @@ def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs
     )
 
 
+def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
+    """lr multiplier: linear warm-up, then a cosine from 1 down to `min_ratio` at the last step."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
 class Distiller:
     """AdamW on the draft over shuffled epochs of (prompt, response) pairs; the policy stays frozen."""
 
@@ -123,7 +133,8 @@ class Distiller:
         self.cache = (policy_outputs(policy, draft, prompts, completions, dt.generate_batch_size)
                       if dt.cache_policy_outputs else None)
         self.opt = torch.optim.AdamW(draft.parameters(), lr=dt.lr, weight_decay=dt.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup(dt.warmup_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(dt.warmup_steps, dt.steps,
+                                                                               dt.min_lr_ratio))
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
         self.skipped_steps = 0

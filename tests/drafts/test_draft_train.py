@@ -106,3 +106,14 @@ def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_for
     assert cached[2].keys() == fresh[2].keys() and fresh[2]
     for name, grad in fresh[2].items():
         torch.testing.assert_close(cached[2][name], grad, rtol=1e-3, atol=5e-5)  # fp16 log-probs
+
+
+def test_draft_train_lr_warms_up_then_follows_a_cosine_to_its_floor():
+    from codraft.drafts.distill import warmup_cosine
+
+    f = warmup_cosine(warmup_steps=2, total_steps=12, min_ratio=0.1)
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(11) == pytest.approx(0.1) and f(50) == pytest.approx(0.1)
+    assert f(2 + 9 / 2) == pytest.approx(0.55)  # half way down the cosine
+    values = [f(s) for s in range(2, 12)]
+    assert values == sorted(values, reverse=True)
