@@ -40,10 +40,9 @@ def main(cfg: Config) -> int:
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
             log.info("step %d/%d  %s", trainer.step, cfg.rl.steps, "  ".join(f"{k} {v:.3f}" for k, v in live.items()))
             every = cfg.checkpoint.every
-            if writer and every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
-                trainer.save()
-        if writer:
-            trainer.save()
+            if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
+                trainer.save()  # collective under PP: every rank hands over its stage's optimizer state
+        trainer.save()
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
     return 0
 

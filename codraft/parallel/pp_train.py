@@ -14,8 +14,10 @@ Per step, on the pp ranks of one pipeline (DESIGN.md, "The co-training step unde
   refit       every stage broadcasts its weights into every rank's full copy, the last stage the draft
               (time/refit_s);
   metrics     the last stage broadcasts its loss metrics to the pipeline; global rank 0 writes them;
-  checkpoints global rank 0 writes its refitted full policy and the draft, in the pp = 1 layout; optimizer
-              states stay per stage and are not written, so a PP run cannot be resumed yet (a clear config error).
+  checkpoints every rank calls save(): the stages' optimizer and scheduler states are gathered to the pipeline's
+              first rank, and global rank 0 writes its refitted full policy and the draft (the pp = 1 layout)
+              with one optimizer file per stage (`policy_stage{s}`) and the draft's; a run resumes with the same
+              pp, each stage loading its own optimizer state.
 
 Data parallelism (dp > 1): replica r trains on its own slice of every step's prompts (ReplicaTask) and rollout;
 after the backward, stage and draft gradients are averaged over the dp group (the mean of the replicas' losses),
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from codraft.config import Config, ConfigError, config_to_dict
+from codraft.config import Config, ConfigError
 from codraft.parallel.dp_task import ReplicaTask
 from codraft.parallel.group_sharding import GroupSharding, all_reduce_grads
 from codraft.parallel.mesh import ParallelDims, init_distributed
@@ -47,10 +49,9 @@ from codraft.parallel.pipeline import (
     tap_sources,
 )
 from codraft.parallel.tapchannel import TapChannel, TapSpec
-from codraft.rl.checkpoint import save_checkpoint
 from codraft.rl.microbatch import split_rollouts
 from codraft.rl.pipeline_loss import JointObjective
-from codraft.rl.trainer import RESUME_SECTIONS, Trainer, warmup
+from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,6 @@ def pipeline_sharding(cfg: Config) -> PipelineParallel:
         # a replica whose groups were all filtered out would skip the update its peers wait in
         raise ConfigError(f"rl.filter_zero_variance=true is not supported with parallel.dp={p.dp} and "
                           f"parallel.pp={p.pp} yet: set it to false")
-    if cfg.checkpoint.resume is not None:
-        raise ConfigError(f"checkpoint.resume cannot continue a run with parallel.pp={p.pp} yet: pipeline "
-                          "checkpoints hold no optimizer states (resume with parallel.pp=1)")
     _, world_size = init_distributed()
     dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # dp * pp must equal the world size: same error everywhere
     return PipelineParallel(dims.build())
@@ -107,19 +105,11 @@ class PipelineTrainer(Trainer):
     sharding: PipelineParallel
 
     def __init__(self, cfg: Config, run_dir: Path, sharding: PipelineParallel):
-        super().__init__(cfg, run_dir, sharding)
         dims = sharding.dims
         self.pp_rank, self.pp, self.group = dims.pp_rank, dims.pp, dims.pp_group
         self.is_last = self.pp_rank == self.pp - 1
-        self.stage = self._view_stage(self.pp_rank)
-        self.device = next(self.stage.parameters()).device
+        super().__init__(cfg, run_dir, sharding)  # builds this rank's stage and optimizers, then resumes
         self.n_microbatches = cfg.parallel.pp_microbatches or 2 * self.pp
-        o = cfg.optim
-        # replaces the base's optimizer of the whole policy (which never stepped, so holds no state)
-        self.policy_opt = torch.optim.AdamW(self.stage.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-        self.policy_sched = torch.optim.lr_scheduler.LambdaLR(self.policy_opt, warmup(o.warmup_steps))
-        if not self.is_last:  # the draft trains on the last stage only
-            self.draft_opt = self.draft_sched = None
         self.trained = [self.stage] if self.draft_opt is None else [self.stage, self.draft]  # this rank's modules
         if dims.dp > 1:
             self.task = ReplicaTask(self.task, dims.dp_rank, dims.dp)
@@ -127,6 +117,12 @@ class PipelineTrainer(Trainer):
         self.taps = self.draft.tap_layers if self.draft is not None else ()
         self.tap_sources = tap_sources(self.taps, args.num_layers, self.pp) if self.taps else {}
         self.stage_keys = [self._refit_keys(s) for s in range(self.pp)]
+
+    def _build_optimizers(self) -> None:
+        """The policy optimizer steps this rank's stage; the draft trains on the last stage only."""
+        self.stage = self._view_stage(self.pp_rank)
+        self.device = next(self.stage.parameters()).device
+        super()._build_optimizers(self.stage, trains_draft=self.is_last)
 
     def _view_stage(self, s: int) -> nn.Module:
         """Stage s over the full policy's own tensors: no copy, and its updates are the full copy's."""
@@ -257,18 +253,41 @@ class PipelineTrainer(Trainer):
         self.policy.eval()
 
     # --- checkpoints ------------------------------------------------------------------------
-    def save(self) -> Path:
-        """Rank 0's refitted full policy and the draft, without optimizer states (see the module docstring)."""
-        tensors = {"policy": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()}}
-        if self.draft is not None:
-            tensors["draft"] = self.draft.state_dict()
-        meta = {
-            "task": self.task.state_dict(),
-            "skipped_draft_steps": self.skipped_draft_steps,
-            "config": {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS},
-            "pipeline": {"pp": self.pp, "optimizer_states": False},
-        }
-        return save_checkpoint(self.run_dir, self.step, tensors=tensors, optimizers={}, meta=meta,
-                               keep=self.cfg.checkpoint.keep)
+    def _optimizer_checkpoint(self) -> tuple[dict[str, dict], dict]:
+        """Every stage's optimizer state (`policy_stage{s}`) and the draft's, gathered to the pipeline's first rank
+        (collective over the pipeline); the schedulers step together, so stage 0's and the last stage's suffice."""
+        optimizers, meta = super()._optimizer_checkpoint()
+        mine = (_to_cpu(optimizers), meta["schedulers"])
+        everyone: list | None = [None] * self.pp if self.pp_rank == 0 else None
+        dist.gather_object(mine, everyone, dst=self.sharding.root, group=self.group)
+        if everyone is None:
+            return {}, {}
+        gathered = {f"policy_stage{s}": states["policy"] for s, (states, _) in enumerate(everyone)}
+        last_states, last_schedulers = everyone[-1]
+        if "draft" in last_states:
+            gathered["draft"] = last_states["draft"]
+        schedulers = {"policy": meta["schedulers"]["policy"], "draft": last_schedulers["draft"]}
+        return gathered, {"schedulers": schedulers, "pipeline": {"pp": self.pp}}
+
+    def _load_optimizer_states(self, ckpt: dict) -> None:
+        meta = ckpt["meta"]
+        if (pp := meta.get("pipeline", {}).get("pp")) != self.pp:
+            written = f"a pipeline of parallel.pp={pp}" if pp else "a run without pipeline parallelism"
+            raise ConfigError(f"checkpoint.resume: {ckpt['path']} was written by {written}; optimizer states are "
+                              f"per stage, so resume it with parallel.pp={pp or 1} (got parallel.pp={self.pp})")
+        self.policy_opt.load_state_dict(ckpt["optimizers"][f"policy_stage{self.pp_rank}"])
+        self.policy_sched.load_state_dict(meta["schedulers"]["policy"])
+        if self.draft_opt is not None:
+            self.draft_opt.load_state_dict(ckpt["optimizers"]["draft"])
+            self.draft_sched.load_state_dict(meta["schedulers"]["draft"])
 
 
+def _to_cpu(state):
+    """A (nested) optimizer state with its tensors on the host, for gathering and writing."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: _to_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_cpu(v) for v in state]
+    return state

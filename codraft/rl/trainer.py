@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from codraft.commands.common import load_policy
 from codraft.config import Config, ConfigError, config_to_dict
@@ -60,15 +61,7 @@ class Trainer:
         self.reward_fn = load_reward_fn(cfg.task.reward)
         self.draft = self._build_draft()
         self.sharding.apply(self.policy, self.draft)
-        o = cfg.optim
-        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=o.weight_decay)
-        self.policy_sched = torch.optim.lr_scheduler.LambdaLR(self.policy_opt, warmup(o.warmup_steps))
-        self.draft_opt = self.draft_sched = None
-        if self.draft is not None:
-            self.draft_opt = torch.optim.AdamW(
-                self.draft.parameters(), lr=o.draft_lr, weight_decay=o.draft_weight_decay
-            )
-            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(o.draft_warmup_steps))
+        self._build_optimizers()
         rl = cfg.rl
         # without adaptive k the controller only keeps the cost model behind rollout/speedup_vs_ar
         self.controller = (
@@ -80,6 +73,20 @@ class Trainer:
         self.skipped_draft_steps = 0
         if cfg.checkpoint.resume is not None:
             self._resume(Path(cfg.checkpoint.resume))
+
+    def _build_optimizers(self, policy: nn.Module | None = None, trains_draft: bool = True) -> None:
+        """AdamW with warm-up for `policy` (the parameters this rank steps; default the whole policy) and, when
+        this rank trains it, the draft."""
+        o = self.cfg.optim
+        policy = self.policy if policy is None else policy
+        self.policy_opt = torch.optim.AdamW(policy.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        self.policy_sched = torch.optim.lr_scheduler.LambdaLR(self.policy_opt, warmup(o.warmup_steps))
+        self.draft_opt = self.draft_sched = None
+        if self.draft is not None and trains_draft:
+            self.draft_opt = torch.optim.AdamW(
+                self.draft.parameters(), lr=o.draft_lr, weight_decay=o.draft_weight_decay
+            )
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(o.draft_warmup_steps))
 
     def _build_draft(self) -> DraftModel | None:
         cfg = self.cfg
@@ -236,24 +243,31 @@ class Trainer:
         return metrics
 
     # --- checkpoints ----------------------------------------------------------------------
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint (collective: every rank calls it; the writer writes). Returns its path on the writer."""
+        optimizers, meta = self._optimizer_checkpoint()
+        if not self.sharding.is_writer:
+            return None
         tensors = {"policy": self.policy.state_dict(), "rng": {"torch": torch.get_rng_state()}}
-        optimizers = {"policy": self.policy_opt.state_dict()}
         if self.draft is not None:
             tensors["draft"] = self.draft.state_dict()
-            optimizers["draft"] = self.draft_opt.state_dict()
-        meta = {
+        meta |= {
             "task": self.task.state_dict(),
-            "schedulers": {
-                "policy": self.policy_sched.state_dict(),
-                "draft": self.draft_sched.state_dict() if self.draft_sched else None,
-            },
             "skipped_draft_steps": self.skipped_draft_steps,
             "config": {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS},
         }
         return save_checkpoint(
             self.run_dir, self.step, tensors=tensors, optimizers=optimizers, meta=meta, keep=self.cfg.checkpoint.keep
         )
+
+    def _optimizer_checkpoint(self) -> tuple[dict[str, dict], dict]:
+        """(optimizer states by checkpoint name, their entries of meta.json) as the writer stores them."""
+        optimizers = {"policy": self.policy_opt.state_dict()}
+        if self.draft_opt is not None:
+            optimizers["draft"] = self.draft_opt.state_dict()
+        schedulers = {"policy": self.policy_sched.state_dict(),
+                      "draft": self.draft_sched.state_dict() if self.draft_sched else None}
+        return optimizers, {"schedulers": schedulers}
 
     def _resume(self, run_dir: Path) -> None:
         ckpt = load_checkpoint(run_dir)
@@ -270,15 +284,21 @@ class Trainer:
             raise ConfigError(
                 f"checkpoint.resume: policy weights do not fit (missing {missing}, unexpected {unexpected})"
             )
-        self.policy_opt.load_state_dict(ckpt["optimizers"]["policy"])
-        self.policy_sched.load_state_dict(meta["schedulers"]["policy"])
         if self.draft is not None:
             self.draft.load_state_dict(ckpt["tensors"]["draft"])
-            self.draft_opt.load_state_dict(ckpt["optimizers"]["draft"])
-            self.draft_sched.load_state_dict(meta["schedulers"]["draft"])
+        self._load_optimizer_states(ckpt)
         torch.set_rng_state(ckpt["tensors"]["rng"]["torch"])
         self.task.load_state_dict(meta["task"])
         self.skipped_draft_steps = meta["skipped_draft_steps"]
         self.step = meta["step"]
         log.info("resumed from %s at step %d", ckpt["path"], self.step)
 
+    def _load_optimizer_states(self, ckpt: dict) -> None:
+        if (pp := ckpt["meta"].get("pipeline", {}).get("pp")) is not None:
+            raise ConfigError(f"checkpoint.resume: {ckpt['path']} holds the optimizer states of a pipeline of "
+                              f"parallel.pp={pp}; resume it with parallel.pp={pp}")
+        self.policy_opt.load_state_dict(ckpt["optimizers"]["policy"])
+        self.policy_sched.load_state_dict(ckpt["meta"]["schedulers"]["policy"])
+        if self.draft_opt is not None:
+            self.draft_opt.load_state_dict(ckpt["optimizers"]["draft"])
+            self.draft_sched.load_state_dict(ckpt["meta"]["schedulers"]["draft"])

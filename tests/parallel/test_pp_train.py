@@ -131,3 +131,35 @@ def test_replicas_split_every_draw_of_the_prompts():
     for _ in range(2):
         assert whole.sample(6) == replicas[0].sample(3) + replicas[1].sample(3)
     assert replicas[1].state_dict() == whole.state_dict()
+
+
+def test_pp2_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    """Each stage's optimizer state goes through the checkpoint: steps 3-4 after a resume are steps 3-4 of one run."""
+    from tests.rl.test_trainer import deterministic, run_metrics
+
+    common = [*TINY, *EAGLE3_EXACT, "parallel.pp=2", "rl.optimizer_steps_per_batch=2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert run_workers(_train, 2, [*common, "rl.steps=4", f"run.dir={full}"], timeout=180) == [0, 0]
+    assert run_workers(_train, 2, [*common, "rl.steps=2", f"run.dir={part}"], timeout=180) == [0, 0]
+    assert run_workers(_resume_with, 2, str(part), ["rl.steps=4"], timeout=180) == [0, 0]
+    a, b = run_metrics(full), run_metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b, strict=True):
+        assert deterministic(x) == pytest.approx(deterministic(y), rel=0, abs=0, nan_ok=True)
+    ckpt = part / "checkpoints" / "step_000004"
+    assert sorted(p.name for p in ckpt.glob("*.optim.pt")) == ["draft.optim.pt", "policy_stage0.optim.pt",
+                                                               "policy_stage1.optim.pt"]
+
+
+def test_a_pipeline_checkpoint_resumes_only_with_its_pp(tmp_path, capsys):
+    common = [*TINY, "draft.family=none", "rl.steps=1", "checkpoint.keep=1"]
+    assert run_workers(_train, 2, [*common, "parallel.pp=2", f"run.dir={tmp_path / 'pp2'}"], timeout=120) == [0, 0]
+    assert main(["train", "--resume", str(tmp_path / "pp2"), "rl.steps=2", "parallel.pp=1"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer states of a pipeline of parallel.pp=2; resume it with parallel.pp=2" in err
+    assert main(["train", *common, f"run.dir={tmp_path / 'pp1'}"]) == 0
+    assert run_workers(_resume_with, 2, str(tmp_path / "pp1"), ["rl.steps=2", "parallel.pp=2"], timeout=120) == [2, 2]
+
+
+def _resume_with(rank: int, world_size: int, run_dir: str, overrides: list[str]) -> int:
+    return main(["train", "--resume", run_dir, *overrides])
