@@ -68,11 +68,6 @@ def token_entropy(rows: torch.Tensor, temperature: float) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def response_logprobs(logits: torch.Tensor, batch: PackedRollouts, temperature: float) -> torch.Tensor:
-    """log p(token) of every response token [R] under the sampling temperature, fp32."""
-    return token_logprobs(logits[batch.logprob_index], batch.input_ids[batch.logprob_index + 1], temperature)
-
-
 def per_sequence(values: torch.Tensor, batch: PackedRollouts, fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter response-token values [R] into a padded [N, Lmax] grid and its mask."""
     lengths = batch.response_lengths()

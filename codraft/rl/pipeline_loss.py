@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 
 from codraft.config import RLConfig
-from codraft.drafts import DraftBatch, DraftModel
-from codraft.rl.batch import per_sequence, response_logprobs
+from codraft.drafts import DraftModel
+from codraft.rl.batch import per_sequence
 from codraft.rl.grpo import grpo_loss
 from codraft.rl.microbatch import Microbatch
 
@@ -52,17 +52,17 @@ class JointObjective:
         self.metrics, self.finite, self.skipped_draft = defaultdict(float), True, 0
 
     def __call__(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        """logits [tokens, V] of microbatch m (unpadded), taps {layer: [tokens, H]} detached -> scalar."""
+        """logits [tokens, V] of microbatch m's view (unpadded), taps {layer: [tokens, H]} detached -> scalar."""
         loss = self.w_rl[m] * self._rl_loss(m, logits)
         if self.draft is not None and self.rl.draft_weight > 0:
             loss = loss + self.rl.draft_weight * self.w_draft[m] * self._draft_loss(m, logits, taps)
-        self.metrics["entropy"] += self.w_draft[m] * float(_entropy(logits.detach(), self.microbatches[m].batch,
-                                                                    self.rl.temperature))
+        self.metrics["entropy"] += self.w_draft[m] * float(self.microbatches[m].view.response_entropy(
+            logits.detach(), self.rl.temperature))
         return loss
 
     def _rl_loss(self, m: int, logits: torch.Tensor) -> torch.Tensor:
         rl, mb = self.rl, self.microbatches[m]
-        logprobs, mask = per_sequence(response_logprobs(logits, mb.batch, rl.temperature), mb.batch)
+        logprobs, mask = per_sequence(mb.view.response_logprobs(logits, rl.temperature), mb.batch)
         old = self.old_lp.setdefault(m, logprobs.detach())
         inference_lp, _ = per_sequence(mb.batch.inference_logprobs, mb.batch)
         loss, metrics = grpo_loss(logprobs, old, mb.advantages.nan_to_num(0.0), mask, eps_low=rl.eps_low,
@@ -76,9 +76,7 @@ class JointObjective:
         return loss
 
     def _draft_loss(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        b = self.microbatches[m].batch
-        loss, metrics = self.draft.loss(DraftBatch(input_ids=b.input_ids, taps=taps, policy_logits=logits.detach(),
-                                                   loss_mask=b.response_mask, cu_seqlens=b.cu_seqlens))
+        loss, metrics = self.draft.loss(self.microbatches[m].view.draft_batch(taps, logits))
         if not torch.isfinite(loss):  # a broken draft may cost acceptance, never the policy
             self.skipped_draft += 1
             return loss.new_zeros(())
@@ -89,9 +87,3 @@ class JointObjective:
         for k, v in metrics.items():
             self.metrics[k] += weight * v
 
-
-@torch.no_grad()
-def _entropy(logits: torch.Tensor, batch, temperature: float) -> torch.Tensor:
-    """Mean entropy of the policy's sampling distribution over the microbatch's response tokens."""
-    logp = (logits[batch.logprob_index].float() / temperature).log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1).mean()

@@ -19,7 +19,7 @@ from codraft.parallel.pipeline import (
     tap_sources,
 )
 from codraft.parallel.tapchannel import TapChannel, TapSpec
-from codraft.rl.batch import pack_rollouts, per_sequence, response_logprobs
+from codraft.rl.batch import pack_rollouts, per_sequence, token_logprobs
 from codraft.rl.grpo import grpo_loss
 from codraft.rl.microbatch import split_rollouts
 from codraft.rl.pipeline_loss import JointObjective
@@ -55,7 +55,8 @@ def reference_step():
     b = pack_rollouts(prompts, completions, logprobs)
     out = policy(b.input_ids[None], cu_seqlens=b.cu_seqlens, taps=draft.tap_layers)
     logits = out.logits[0]
-    lp, mask = per_sequence(response_logprobs(logits, b, RL.temperature), b)
+    rows = b.logprob_index
+    lp, mask = per_sequence(token_logprobs(logits[rows], b.input_ids[rows + 1], RL.temperature), b)
     inference_lp, _ = per_sequence(b.inference_logprobs, b)
     rl_loss, _ = grpo_loss(lp, lp.detach(), adv, mask, eps_low=RL.eps_low, eps_high=RL.eps_high,
                            max_tokens=RL.max_new_tokens, inference_logprobs=inference_lp,
