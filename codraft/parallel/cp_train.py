@@ -52,6 +52,33 @@ class CPBatchView(BatchView):
         return gather(local, self.layout, self.group)[self.batch.logprob_index]  # [T] -> [R]
 
 
+def cp_view(batch: PackedRollouts, group: dist.ProcessGroup) -> CPBatchView:
+    """This rank's zigzag share of `batch` over the CP `group` (collective over it)."""
+    T = batch.input_ids.numel()
+    predicts = torch.zeros(T, dtype=torch.bool, device=batch.input_ids.device)
+    predicts[batch.logprob_index] = True
+    local = shard_batch(
+        batch.input_ids,
+        batch.cu_seqlens,
+        group,
+        loss_mask=batch.response_mask,
+        per_token={"next_ids": batch.input_ids.roll(-1), "predicts_response": predicts},
+    )
+    shard = CPTokenShard(batch.input_ids, batch.response_mask, batch.cu_seqlens, local.layout, group)
+    return CPBatchView(
+        batch,
+        local.input_ids,
+        local.position_ids,
+        local.cu_seqlens,
+        local.loss_mask,
+        shard,
+        layout=local.layout,
+        next_ids=local.per_token["next_ids"],
+        predicts_response=local.per_token["predicts_response"],
+        group=group,
+    )
+
+
 class ContextParallel(GroupSharding):
     """cp ranks share every step's batch; ParallelDims has built the groups."""
 
@@ -65,29 +92,7 @@ class ContextParallel(GroupSharding):
             apply_cp_to_draft(draft, self.dims)
 
     def view(self, batch: PackedRollouts) -> CPBatchView:
-        T = batch.input_ids.numel()
-        predicts = torch.zeros(T, dtype=torch.bool, device=batch.input_ids.device)
-        predicts[batch.logprob_index] = True
-        local = shard_batch(
-            batch.input_ids,
-            batch.cu_seqlens,
-            self.group,
-            loss_mask=batch.response_mask,
-            per_token={"next_ids": batch.input_ids.roll(-1), "predicts_response": predicts},
-        )
-        shard = CPTokenShard(batch.input_ids, batch.response_mask, batch.cu_seqlens, local.layout, self.group)
-        return CPBatchView(
-            batch,
-            local.input_ids,
-            local.position_ids,
-            local.cu_seqlens,
-            local.loss_mask,
-            shard,
-            layout=local.layout,
-            next_ids=local.per_token["next_ids"],
-            predicts_response=local.per_token["predicts_response"],
-            group=self.group,
-        )
+        return cp_view(batch, self.group)
 
     def reduce_gradients(self, modules: list[nn.Module]) -> None:
         all_reduce_grads(modules, self.group)
@@ -96,11 +101,10 @@ class ContextParallel(GroupSharding):
 def sharding_for(cfg: Config) -> Sharding:
     """The trainer's sharding from `parallel.*` and the launched world (torchrun's env, or none)."""
     p = cfg.parallel
+    if p.dp > 1:  # replicas of a pipeline are pp_train's; plain data parallelism is not built
+        raise ConfigError(f"parallel.dp={p.dp} runs with parallel.pp > 1 for now (got pp=1)")
     if p.cp == 1:
         return Sharding()
-    if p.dp != 1 or p.pp != 1:
-        raise ConfigError(f"parallel.cp={p.cp} runs with parallel.dp=1 and parallel.pp=1 for now "
-                          f"(got dp={p.dp}, pp={p.pp})")
     _, world_size = init_distributed()
     dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # cp must equal the world size: same error on every rank
     return ContextParallel(dims.build())

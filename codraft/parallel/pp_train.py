@@ -23,12 +23,18 @@ Data parallelism (dp > 1): replica r trains on its own slice of every step's pro
 after the backward, stage and draft gradients are averaged over the dp group (the mean of the replicas' losses),
 so the replicas keep identical weights; an update is skipped on every replica when one cannot run it, and the
 step's metrics are averaged over the replicas.
+
+Context parallelism (cp > 1): each stage is replicated over a CP group and each CP rank runs its own pipeline
+(and TapChannel) on its zigzag share of every microbatch (`cp_train.cp_view`): ring attention in the stage, ring
+branch attention and the CP look-ahead in the draft. The first stage's CP group shares the rollout before the
+pipelines do; the CP shares of the gradients are summed before the dp mean, as in `cp_train`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -37,6 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from codraft.config import Config, ConfigError
+from codraft.parallel.cp_draft import apply_cp_to_draft
+from codraft.parallel.cp_train import cp_view
 from codraft.parallel.dp_task import ReplicaTask
 from codraft.parallel.group_sharding import GroupSharding, all_reduce_grads
 from codraft.parallel.mesh import ParallelDims, init_distributed
@@ -48,19 +56,44 @@ from codraft.parallel.pipeline import (
     sum_tied_grads,
     tap_sources,
 )
+from codraft.parallel.ring_attention import apply_cp
 from codraft.parallel.tapchannel import TapChannel, TapSpec
+from codraft.rl.batch import PackedRollouts
 from codraft.rl.microbatch import split_rollouts
 from codraft.rl.pipeline_loss import JointObjective
+from codraft.rl.sharding import BatchView
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 
 class PipelineParallel(GroupSharding):
-    """The pp ranks of one pipeline share every step's rollout; ParallelDims has built the groups."""
+    """The pp ranks of one pipeline share every step's rollout; ParallelDims has built the groups. With cp > 1
+    every stage is replicated over a CP group: one pipeline per CP rank, each on its zigzag share of every
+    microbatch (ring attention in the stage, ring branch attention in the draft), all on the same rollout."""
 
     def __init__(self, dims: ParallelDims):
         super().__init__(dims, dims.pp_group, dims.pp_ranks)
+
+    def apply(self, policy: nn.Module, draft: nn.Module | None) -> None:
+        super().apply(policy, draft)
+        if draft is not None:
+            apply_cp_to_draft(draft, self.dims)  # cp = 1: unchanged
+
+    def rollout(self, generate: Callable):
+        """The first rank of the first stage's CP group generates; its CP group, then every pipeline, gets it."""
+        if self.dims.cp == 1:
+            return super().rollout(generate)
+        first_stage = None
+        if self.dims.pp_rank == 0:
+            mine = (generate(), torch.get_rng_state()) if self.dims.cp_rank == 0 else None
+            first_stage = self.broadcast(mine, self.dims.cp_ranks[0], self.dims.cp_group)
+        rollout, rng = self.broadcast(first_stage)  # from this pipeline's first stage
+        torch.set_rng_state(rng)
+        return rollout
+
+    def view(self, batch: PackedRollouts) -> BatchView:
+        return cp_view(batch, self.dims.cp_group) if self.dims.cp > 1 else super().view(batch)
 
     def all_agree(self, flag: bool) -> bool:
         """True when `flag` holds on every data-parallel replica (collective over the dp group)."""
@@ -70,8 +103,11 @@ class PipelineParallel(GroupSharding):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.dims.dp_group)
         return bool(t)
 
-    def average_gradients(self, modules: list[nn.Module]) -> None:
-        """Mean of the replicas' gradients, one flat all-reduce per module (every replica has the same set)."""
+    def reduce_gradients(self, modules: list[nn.Module]) -> None:
+        """The CP group's shares summed (the whole microbatches' gradient), then the mean of the dp replicas; one
+        flat all-reduce per module and dimension."""
+        if self.dims.cp > 1:
+            all_reduce_grads(modules, self.dims.cp_group)
         if self.dims.dp > 1:
             all_reduce_grads(modules, self.dims.dp_group, divide_by=self.dims.dp)
 
@@ -88,8 +124,6 @@ class PipelineParallel(GroupSharding):
 def pipeline_sharding(cfg: Config) -> PipelineParallel:
     """The PP sharding from `parallel.*` and the launched world (torchrun's env)."""
     p = cfg.parallel
-    if p.cp != 1:
-        raise ConfigError(f"parallel.pp={p.pp} runs with parallel.cp=1 for now (got cp={p.cp})")
     if p.dp > 1 and cfg.rl.filter_zero_variance:
         # a replica whose groups were all filtered out would skip the update its peers wait in
         raise ConfigError(f"rl.filter_zero_variance=true is not supported with parallel.dp={p.dp} and "
@@ -120,7 +154,7 @@ class PipelineTrainer(Trainer):
 
     def _build_optimizers(self) -> None:
         """The policy optimizer steps this rank's stage; the draft trains on the last stage only."""
-        self.stage = self._view_stage(self.pp_rank)
+        self.stage = apply_cp(self._view_stage(self.pp_rank), self.sharding.dims)  # cp = 1: unchanged
         self.device = next(self.stage.parameters()).device
         super()._build_optimizers(self.stage, trains_draft=self.is_last)
 
@@ -154,7 +188,8 @@ class PipelineTrainer(Trainer):
             return {}
         mbs, ids = split_rollouts([rows[i] for i in idx], [rollout.tokens[i] for i in idx],
                                   [rollout.logprobs[i] for i in idx],
-                                  advantages[keep].nan_to_num(0.0).to(self.device), n_mb, device=self.device)
+                                  advantages[keep].nan_to_num(0.0).to(self.device), n_mb, device=self.device,
+                                  view=self.sharding.view)
         objective = JointObjective(rl, self.draft, mbs) if self.is_last else None
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:
@@ -187,7 +222,7 @@ class PipelineTrainer(Trainer):
             objective.reset_metrics()
         run_pipeline(module, ids, schedule=self.cfg.parallel.pp_schedule, group=self.group, device=self.device)
         sum_tied_grads(self.stage, self.group)
-        self.sharding.average_gradients(self.trained)
+        self.sharding.reduce_gradients(self.trained)
         report = self._last_stage_report(objective)
         self.skipped_draft_steps += report["skipped_draft"]
         metrics = report["metrics"]
