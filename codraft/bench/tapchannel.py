@@ -201,10 +201,33 @@ def run_tapchannel_bench(out_dir: str | Path = "results", pps: tuple[int, ...] =
     keys = ["pp", "microbatches", "family", "transport", "no_draft_step_s", "local_taps_step_s", "step_s",
             "draft_compute_s", "added_s", "added_pct_of_no_draft", "post_s", "fetch_s"]
     table = markdown_table(header, [[r[k] for k in keys] for r in rows])
-    payload = {"machine": machine(), "policy": POLICY, "sequences": sequences, "repeats": repeats, "rows": rows}
-    write_results(out_dir, "tapchannel", payload, table)
+    payload = {"machine": machine(), "policy": POLICY, "sequences": sequences, "repeats": repeats, "rows": rows,
+               "summary": summarize(rows)}
+    write_results(out_dir, "tapchannel", payload, summary_table(payload["summary"]) + "\n\n" + table)
     _plot(rows, Path(out_dir) / "tapchannel.png")
     return payload
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (pp, transport), medians over the microbatch counts and families: the added step time as a share of
+    the no-draft step, and the seconds the sources spent inside post() (blocked, for host staging)."""
+    out = []
+    for pp in sorted({r["pp"] for r in rows}):
+        for transport in TRANSPORTS:
+            mine = [r for r in rows if r["pp"] == pp and r["transport"] == transport]
+            if mine:
+                out.append({"pp": pp, "transport": transport, "configs": len(mine),
+                            "added_pct_median": median([r["added_pct_of_no_draft"] for r in mine]),
+                            "post_s_median": median([r["post_s"] for r in mine]),
+                            "post_pct_median": median([100 * r["post_s"] / r["no_draft_step_s"] for r in mine])})
+    return out
+
+
+def summary_table(summary: list[dict]) -> str:
+    header = ["pp", "transport", "configs", "added % of no-draft (median)", "post s (median)",
+              "post % of no-draft (median)"]
+    keys = ["pp", "transport", "configs", "added_pct_median", "post_s_median", "post_pct_median"]
+    return markdown_table(header, [[r[k] for k in keys] for r in summary])
 
 
 def _plot(rows: list[dict], path: Path) -> None:
