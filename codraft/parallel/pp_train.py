@@ -1,4 +1,4 @@
-"""The co-training step under pipeline parallelism (parallel.pp > 1, with parallel.dp replicas of the pipeline):
+"""The co-training step under pipeline parallelism (parallel.pp > 1; parallel.dp replicas, parallel.cp per stage):
 the PP `Sharding` and `PipelineTrainer`.
 
 Per step, on the pp ranks of one pipeline (DESIGN.md, "The co-training step under PP and CP"):
@@ -129,7 +129,7 @@ def pipeline_sharding(cfg: Config) -> PipelineParallel:
         raise ConfigError(f"rl.filter_zero_variance=true is not supported with parallel.dp={p.dp} and "
                           f"parallel.pp={p.pp} yet: set it to false")
     _, world_size = init_distributed()
-    dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # dp * pp must equal the world size: same error everywhere
+    dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # dp * pp * cp = the world size: same error everywhere
     return PipelineParallel(dims.build())
 
 
