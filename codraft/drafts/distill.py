@@ -118,8 +118,8 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float):
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        done = (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
     return factor
 
 
