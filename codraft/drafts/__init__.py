@@ -25,6 +25,8 @@ def build_draft(cfg: DraftConfig, policy: Transformer, tokenizer: Tokenizer | No
     if cfg.family == "eagle3":
         counts = count_tokens(corpus, args.vocab_size) if corpus else None
         draft = eagle3.Eagle3Draft(cfg, args, token_counts=counts)
+        if cfg.head_from_policy:
+            draft.copy_policy_head(policy)
     elif cfg.family in ("dflash", "dspark"):
         family = dflash.DFlashDraft if cfg.family == "dflash" else dspark.DSparkDraft
         special = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()

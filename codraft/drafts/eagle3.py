@@ -103,6 +103,14 @@ class Eagle3Draft(DraftModel):
         """[N] target id of each draft id."""
         return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
 
+    @torch.no_grad()
+    def copy_policy_head(self, policy: nn.Module) -> None:
+        """Start the final norm and the head as the policy's (the head's rows of the draft vocabulary), so the
+        draft only has to learn to produce the policy's last hidden state, not a decoder of its own."""
+        head = policy.lm_head.weight if policy.lm_head is not None else policy.embed_tokens.weight
+        self.lm_head.weight.copy_(head[self.draft_ids()])
+        self.norm.weight.copy_(policy.norm.weight)
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm layer output [.., H] -> draft-vocab logits [.., N]."""
         return self.lm_head(self.norm(hidden))

@@ -358,3 +358,16 @@ def test_load_names_the_field_that_does_not_fit(tmp_path):
     (path / "config.json").write_text(json.dumps(config | {"codraft_family": "medusa"}))
     with pytest.raises(ValueError, match="codraft_family"):
         load_draft(path, policy)
+
+
+def test_a_draft_built_with_head_from_policy_decodes_hidden_states_as_the_policy_does():
+    from codraft.drafts import build_draft
+    from tests.drafts.blocks import draft_config, tiny_policy
+
+    policy = tiny_policy(dtype=torch.float32)
+    corpus = [[i % 37 for i in range(n, n + 20)] for n in range(5)]
+    draft = build_draft(draft_config("eagle3", draft_vocab_size=16, head_from_policy=True), policy, None, corpus)
+    hidden = torch.randn(3, policy.args.hidden_size)
+    torch.testing.assert_close(draft.head(hidden), policy.logits(hidden)[:, draft.draft_ids()])
+    random = build_draft(draft_config("eagle3", draft_vocab_size=16), policy, None, corpus)
+    assert not torch.allclose(random.head(hidden), policy.logits(hidden)[:, random.draft_ids()])
