@@ -298,7 +298,7 @@ class ExportConfig:
     """`codraft export-draft`: a `codraft train` run dir, a `codraft draft-train` run dir or a draft dir."""
 
     source: str | None = None
-    out_dir: str | None = None  # None: <source>/export (a draft dir: <source>-export)
+    out_dir: str | None = None  # None: <source>/export (required when the source is a draft dir)
     family: Literal["any", "eagle3", "dflash", "dspark"] = "any"  # the family the source must hold
 
     def validate(self) -> None:

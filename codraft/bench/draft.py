@@ -19,7 +19,7 @@ from codraft.config import Config, ConfigError
 from codraft.drafts import DraftModel
 from codraft.drafts.distill import split_prompts, start_distillation
 from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptance
-from codraft.drafts.export import load_draft
+from codraft.drafts.export import check_family, load_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
 from codraft.rollout import Rollout, generate
@@ -46,8 +46,8 @@ def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
     """The draft in bench.draft_path, or one distilled for draft_train.steps on the task's training prompts."""
     if cfg.bench.draft_path is not None:
         draft = load_draft(cfg.bench.draft_path, policy)
-        if cfg.draft.family not in ("none", draft.family):
-            raise ConfigError(f"bench.draft_path holds a {draft.family} draft but draft.family={cfg.draft.family}")
+        if cfg.draft.family != "none":
+            check_family(draft, "bench.draft_path", "draft.family", cfg.draft.family)
         return draft, {"draft_path": cfg.bench.draft_path}
     if cfg.draft.family == "none":
         raise ConfigError("bench draft needs bench.draft_path, or draft.family in eagle3, dflash, dspark to train one")

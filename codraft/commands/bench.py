@@ -56,6 +56,7 @@ def _e2e(cfg: Config) -> None:
     from pathlib import Path
 
     from codraft.bench.e2e import run_e2e_bench
+    from codraft.drafts.export import is_draft_dir
 
     root = cfg.bench.draft_root
     if root is None:
@@ -64,7 +65,7 @@ def _e2e(cfg: Config) -> None:
             "(e.g. copies of `codraft draft-train` run dirs' draft/)"
         )
     drafts = {
-        f: str(Path(root) / f) for f in ("eagle3", "dflash", "dspark") if (Path(root) / f / "config.json").is_file()
+        f: str(Path(root) / f) for f in ("eagle3", "dflash", "dspark") if is_draft_dir(Path(root) / f)
     }
     if not drafts:
         raise ConfigError(f"bench.draft_root: '{root}' holds no eagle3/, dflash/ or dspark/ exported draft")

@@ -54,9 +54,7 @@ def build_drafter(gen: GenerateConfig, policy: Transformer) -> Drafter | None:
         return None
     if gen.drafter == "ngram":
         return NgramDrafter()
-    from codraft.drafts.export import load_draft
+    from codraft.drafts.export import check_family, load_draft
 
-    draft = load_draft(gen.draft_path, policy)
-    if draft.family != gen.drafter:
-        raise ConfigError(f"generate.draft_path holds a {draft.family} draft but generate.drafter={gen.drafter}")
+    draft = check_family(load_draft(gen.draft_path, policy), "generate.draft_path", "generate.drafter", gen.drafter)
     return draft.drafter()

@@ -10,14 +10,17 @@ codraft/drafts/dflash.py; `export.out_dir` defaults to `<source>/export` for run
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+
+from safetensors.torch import load_file
 
 from codraft.commands.common import load_policy
 from codraft.config import Config, ConfigError, load_config
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import CONFIG_FILE, export_draft, load_draft
-from codraft.rl.checkpoint import load_checkpoint
+from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, is_draft_dir, load_draft
+from codraft.rl.checkpoint import latest_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +34,11 @@ def main(cfg: Config) -> int:
     if e.out_dir is None and is_draft_dir(source):
         raise ConfigError("export.out_dir is required when export.source is an exported draft dir")
     draft = load_source(source, cfg)
-    if e.family != "any" and draft.family != e.family:
-        raise ConfigError(f"export.source holds a {draft.family} draft but export.family={e.family}")
+    if e.family != "any":
+        check_family(draft, "export.source", "export.family", e.family)
     out = export_draft(draft, Path(e.out_dir) if e.out_dir is not None else source / "export")
     log.info("exported the %s draft of %s to %s", draft.family, source, out)
     return 0
-
-
-def is_draft_dir(path: Path) -> bool:
-    return (path / CONFIG_FILE).is_file()
 
 
 def load_source(source: Path, cfg: Config) -> DraftModel:
@@ -73,14 +72,14 @@ def load_train_run(run_dir: Path, run_cfg: Config) -> DraftModel:
     if run_cfg.draft.family == "none":
         raise ConfigError(f"export.source: the run '{run_dir}' trained no draft (draft.family=none)")
     try:
-        ckpt = load_checkpoint(run_dir)
+        path = latest_checkpoint(run_dir)  # only its draft weights are read, not the policy or optimizer states
     except FileNotFoundError as err:
         raise ConfigError(f"export.source: {err}") from None
-    if "draft" not in ckpt["tensors"]:
-        raise ConfigError(f"export.source: checkpoint {ckpt['path']} holds no draft weights")
+    if not (path / "draft.safetensors").is_file():
+        raise ConfigError(f"export.source: checkpoint {path} holds no draft weights")
     policy, tokenizer = load_policy(run_cfg)
     init = run_cfg.checkpoint.draft_init
     draft = load_draft(init, policy) if init is not None else build_draft(run_cfg.draft, policy, tokenizer)
-    draft.load_state_dict(ckpt["tensors"]["draft"])
-    log.info("draft of %s at step %d", run_dir, ckpt["meta"]["step"])
+    draft.load_state_dict(load_file(str(path / "draft.safetensors")))
+    log.info("draft of %s at step %d", run_dir, json.loads((path / "meta.json").read_text())["step"])
     return draft

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 
-from codraft.attention import AttentionOutput, Branches
+from codraft.attention import AttentionOutput, Branches, branch_attention
 from codraft.config import DraftConfig
 from codraft.drafts.layers import TapFusion
 from codraft.drafts.shard import TokenShard
@@ -71,6 +72,8 @@ class DraftModel(nn.Module):
 
     family: str = ""
     attention_op: AttentionOp | None = None
+    # "fused" (CPU kernels) or "dense"; None picks fused on CPU, dense elsewhere (no GPU kernel yet)
+    attention_impl: Literal["fused", "dense"] | None = None
 
     def __init__(self, cfg: DraftConfig, policy_args: ModelArgs, default_taps: list[int], fusion_norm: bool):
         super().__init__()
@@ -106,8 +109,9 @@ class DraftModel(nn.Module):
         return (self.attention_op or self.default_attention)(q, k, v, cu_seqlens, branches)
 
     def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:
-        """The family's single-device branch attention (its kernel choice)."""
-        raise NotImplementedError
+        """Single-device branch attention with `attention_impl`'s kernels."""
+        impl = self.attention_impl or ("fused" if k.device.type == "cpu" else "dense")
+        return branch_attention(q, k, v, cu_seqlens, branches, impl=impl)
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError

@@ -61,13 +61,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codraft.attention import AttentionOutput, Branches, branch_attention
+from codraft.attention import Branches
 from codraft.config import DraftConfig
 from codraft.drafts.anchors import sample_anchors
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
@@ -127,8 +126,6 @@ class BlockLayer(DraftLayer):
 class DFlashDraft(DraftModel):
     family = "dflash"
     architecture = "DFlashDraftModel"
-    # "fused" (CPU kernels) or "dense"; None picks fused on CPU, dense elsewhere (no GPU kernel yet)
-    attention_impl: Literal["fused", "dense"] | None = None
 
     def __init__(
         self,
@@ -206,10 +203,6 @@ class DFlashDraft(DraftModel):
         return weighted_mean(per_slot, weights.flatten(), total), {}
 
     # --- training ---
-    def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:
-        impl = self.attention_impl or ("fused" if k.device.type == "cpu" else "dense")
-        return branch_attention(q, k, v, cu_seqlens, branches, impl=impl)
-
     def block_hidden(
         self,
         context: torch.Tensor,

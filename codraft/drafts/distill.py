@@ -25,6 +25,7 @@ from codraft.drafts import DraftBatch, DraftModel, build_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
 from codraft.rl.batch import pack_rollouts
+from codraft.rl.sharding import Sharding
 from codraft.rl.tasks import JsonlTask, build_prompt_ids
 from codraft.rl.trainer import build_task
 from codraft.rollout import generate
@@ -64,13 +65,7 @@ def draft_batch(policy: Transformer, draft: DraftModel, prompts: list[list[int]]
     device = next(policy.parameters()).device
     packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
     out = policy(packed.input_ids[None], cu_seqlens=packed.cu_seqlens, taps=draft.tap_layers)
-    return DraftBatch(
-        input_ids=packed.input_ids,
-        taps={layer: t[0] for layer, t in out.taps.items()},
-        policy_logits=out.logits[0],
-        loss_mask=packed.response_mask,
-        cu_seqlens=packed.cu_seqlens,
-    )
+    return Sharding().view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
 
 
 @dataclass
@@ -87,11 +82,12 @@ def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[in
     outputs = []
     for i in progress(range(0, len(prompts), batch_size), desc="policy outputs"):
         batch = draft_batch(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
-        bounds = batch.cu_seqlens.tolist()
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            predicts = batch.loss_mask[start + 1 : end].nonzero().flatten() + start  # rows predicting a response token
-            outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()},
-                                         batch.policy_logits[predicts].float().log_softmax(-1).half()))
+        bounds = list(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True))
+        predicts = batch.loss_mask[1:].nonzero().flatten()  # rows predicting a response token (prompts are not empty)
+        logprobs = batch.policy_logits[predicts].float().log_softmax(-1).half()
+        per_sequence = logprobs.split([int(batch.loss_mask[start:end].sum()) for start, end in bounds])
+        for (start, end), lp in zip(bounds, per_sequence, strict=True):
+            outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()}, lp))
     size = sum(t.nbytes for o in outputs for t in [*o.taps.values(), o.logprobs])
     log.info("cached the policy's taps and response log-probs of %d responses: %.2f GB", len(outputs), size / 1e9)
     return outputs

@@ -21,6 +21,7 @@ predicts the drafter's confidence without changing the drafter.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -75,14 +76,14 @@ class DSparkDraft(DFlashDraft):
         flat = logits.flatten(0, 1), policy_logits.flatten(0, 1), targets.flatten()
         ce, tv = draft_loss(*flat, self.cfg.loss), draft_loss(*flat, "tv")
         w = weights.flatten()
-        loss = weighted_mean(self.cfg.ce_weight * ce + self.cfg.tv_weight * tv, w, total)
+        mean = partial(weighted_mean, weights=w, total=total, weight_sum=total(w.sum()))
+        loss = mean(self.cfg.ce_weight * ce + self.cfg.tv_weight * tv)
         with torch.no_grad():
-            metrics = {"loss/draft_ce": weighted_mean(ce, w, total).item(),
-                       "loss/draft_tv": weighted_mean(tv, w, total).item()}
+            metrics = {"loss/draft_ce": mean(ce).item(), "loss/draft_tv": mean(tv).item()}
         if self.confidence is not None:
             target = expected_acceptance(*flat[:2])  # [G*(b-1)], no grad
             score = self.confidence(hidden.detach()).flatten().float()
-            bce = weighted_mean(F.binary_cross_entropy_with_logits(score, target, reduction="none"), w, total)
+            bce = mean(F.binary_cross_entropy_with_logits(score, target, reduction="none"))
             loss = loss + bce
             metrics["loss/draft_confidence"] = bce.item()
         return loss, metrics

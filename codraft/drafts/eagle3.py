@@ -21,13 +21,13 @@ overwrites. That is exactly the attention pattern of TTT step s at t = n-1.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Literal
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codraft.attention import AttentionOutput, Branches, branch_attention
+from codraft.attention import Branches
 from codraft.config import DraftConfig
 from codraft.drafts.base import DraftBatch, DraftModel, DraftState
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
@@ -79,7 +79,6 @@ class Eagle3Draft(DraftModel):
         *,
         token_counts: torch.Tensor | None = None,
         layer_args: ModelArgs | None = None,
-        attn_impl: Literal["fused", "dense"] = "fused",
     ):
         super().__init__(cfg, policy_args, default_tap_layers(policy_args.num_layers), fusion_norm=False)
         V, H = policy_args.vocab_size, policy_args.hidden_size
@@ -89,7 +88,6 @@ class Eagle3Draft(DraftModel):
             raise ValueError(f"token_counts must be [{V}] (the policy's vocab); got {tuple(token_counts.shape)}")
         self.layer_args = layer_args or draft_layer_args(policy_args)
         assert self.layer_args.hidden_size == H, "the draft layer works in the policy's hidden size"
-        self.attn_impl = attn_impl  # branch attention implementation used by `loss`
         self.midlayer = Eagle3Layer(self.layer_args)
         self.norm = RMSNorm(H, self.layer_args.rms_norm_eps)
         d2t, t2d = build_draft_vocab(token_counts, cfg.draft_vocab_size)
@@ -107,8 +105,7 @@ class Eagle3Draft(DraftModel):
     def copy_policy_head(self, policy: nn.Module) -> None:
         """Start the final norm and the head as the policy's (the head's rows of the draft vocabulary), so the
         draft only has to learn to produce the policy's last hidden state, not a decoder of its own."""
-        head = policy.lm_head.weight if policy.lm_head is not None else policy.embed_tokens.weight
-        self.lm_head.weight.copy_(head[self.draft_ids()])
+        self.lm_head.weight.copy_(policy.lm_head.weight[self.draft_ids()])
         self.norm.weight.copy_(policy.norm.weight)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -123,9 +120,6 @@ class Eagle3Draft(DraftModel):
         return (proj.q(x, cos, sin), *proj.kv(x, cos, sin))
 
     # --- training ---
-    def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:
-        return branch_attention(q, k, v, cu_seqlens, branches, impl=self.attn_impl)
-
     def ttt_forward(
         self,
         feats: torch.Tensor,
@@ -176,6 +170,8 @@ class Eagle3Draft(DraftModel):
         policy_logits = batch.policy_logits.detach()  # [T_local, V]
         policy_local = policy_logits.index_select(-1, self.draft_ids())  # [T_local, N], softmax renormalises it
         in_vocab_local = self.t2d[policy_logits.argmax(-1)]  # [T_local] the policy's top token is draftable
+        # one look-ahead per step for both: [T_local, N + 1], the last column in_vocab as 0/1
+        policy_and_vocab = torch.cat([policy_local, in_vocab_local[:, None].to(policy_local.dtype)], -1)
         to_draft = self.t2d.long().cumsum(0) - 1  # [V] target id -> draft id (where t2d)
         seq_end = tokens.seq_end(index)  # [T_local] end of each token's sequence
         target = index + 2  # global index of the token step 0 predicts
@@ -185,21 +181,21 @@ class Eagle3Draft(DraftModel):
         for s, step_logits in enumerate(logits):
             tgt = (target + s).clamp(max=T - 1)
             row = tgt - 1  # policy row `row` predicts token tgt
-            policy = tokens.rows(policy_local, row)  # [T_local, N]
-            valid = (target + s < seq_end) & tokens.loss_mask[tgt] & tokens.rows(in_vocab_local, row)
+            ahead = tokens.rows(policy_and_vocab, row)
+            policy = ahead[:, :-1]  # [T_local, N]
+            valid = (target + s < seq_end) & tokens.loss_mask[tgt] & (ahead[:, -1] > 0)
             if kind == "hard_ce":
                 valid &= self.t2d[ids[tgt]]
             weight = valid.float()
+            mean = partial(weighted_mean, weights=weight, total=tokens.total, weight_sum=tokens.total(weight.sum()))
             per_position = draft_loss(step_logits, policy, to_draft[ids[tgt]].clamp(min=0), kind)
-            step_loss = weighted_mean(per_position, weight, tokens.total)
+            step_loss = mean(per_position)
             total = total + self.cfg.ttt_decay**s * step_loss
             with torch.no_grad():
                 agree = (step_logits.argmax(-1) == policy.argmax(-1)).float()
                 stats[f"draft/loss_step_{s}"] = step_loss.detach()
-                stats[f"draft/acc_step_{s}"] = weighted_mean(agree, weight, tokens.total)
-                stats[f"draft/expected_accept_step_{s}"] = weighted_mean(
-                    expected_acceptance(step_logits, policy), weight, tokens.total
-                )
+                stats[f"draft/acc_step_{s}"] = mean(agree)
+                stats[f"draft/expected_accept_step_{s}"] = mean(expected_acceptance(step_logits, policy))
         stats["loss/draft"] = total.detach()
         values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
         return total, dict(zip(stats, values, strict=True))

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from codraft.config import DraftConfig
+from codraft.config import ConfigError, DraftConfig
 from codraft.drafts.base import DraftModel
 from codraft.models import ModelArgs, Transformer
 
@@ -72,6 +72,18 @@ def export_draft(draft: DraftModel, out_dir: str | Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported %s draft (%d tensors) to %s", draft.family, len(state), out)
     return out
+
+
+def is_draft_dir(path: Path) -> bool:
+    """An exported draft directory (it holds the config `load_draft` reads)."""
+    return (path / CONFIG_FILE).is_file()
+
+
+def check_family(draft: DraftModel, source_key: str, family_key: str, family: str) -> DraftModel:
+    """`draft` when it is of `family` (the value of config key `family_key`), else a ConfigError naming both keys."""
+    if draft.family != family:
+        raise ConfigError(f"{source_key} holds a {draft.family} draft but {family_key}={family}")
+    return draft
 
 
 def load_draft(path: str | Path, policy: Transformer) -> DraftModel:

@@ -42,9 +42,13 @@ def expected_acceptance(draft_logits: torch.Tensor, policy_logits: torch.Tensor)
 
 
 def weighted_mean(
-    per_position: torch.Tensor, weights: torch.Tensor, total: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    per_position: torch.Tensor,
+    weights: torch.Tensor,
+    total: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+    weight_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum(w * l) / sum(w), 0 when no weight (an all-masked batch must not produce NaN). `total` sums
     both over the ranks that hold parts of the batch (TokenShard.total), so every rank gets the whole
-    batch's mean."""
-    return total((per_position * weights).sum()) / total(weights.sum()).clamp(min=1e-9)
+    batch's mean; `weight_sum` = total(weights.sum()), when several means share the weights."""
+    weight_sum = total(weights.sum()) if weight_sum is None else weight_sum
+    return total((per_position * weights).sum()) / weight_sum.clamp(min=1e-9)

@@ -72,8 +72,8 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, dict[str, to
     return final
 
 
-def load_checkpoint(run_dir: Path) -> dict[str, Any]:
-    """The newest complete checkpoint of a run: {"meta", "tensors": {stem: state}, "optimizers": {name: state}}."""
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The directory of the newest complete checkpoint of a run."""
     root = Path(run_dir) / "checkpoints"
     latest = root / "latest"
     if not latest.is_file():
@@ -81,6 +81,12 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
     path = root / latest.read_text().strip()
     if not (path / "meta.json").is_file():
         raise FileNotFoundError(f"checkpoint {path} named by {latest} is missing or incomplete")
+    return path
+
+
+def load_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The newest complete checkpoint of a run: {"meta", "tensors": {stem: state}, "optimizers": {name: state}}."""
+    path = latest_checkpoint(run_dir)
     return {
         "path": path,
         "meta": json.loads((path / "meta.json").read_text()),

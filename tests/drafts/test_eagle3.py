@@ -130,7 +130,7 @@ def reference_loss(draft: Eagle3Draft, batch: DraftBatch) -> torch.Tensor:
 def test_ttt_loss_and_grads_match_unrolled_reference(impl, kind):
     policy = policy_model()
     draft = make_draft(policy, loss=kind)
-    draft.attn_impl = impl
+    draft.attention_impl = impl
     batch = packed_batch(policy, draft)
 
     loss, metrics = draft.loss(batch)
