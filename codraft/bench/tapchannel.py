@@ -67,7 +67,6 @@ class _Timed:
 
     def __init__(self, channel):
         self.channel, self.seconds = channel, 0.0
-        self.transports = getattr(channel, "transports", {})
 
     def _time(self, fn, *args):
         start = time.perf_counter()
@@ -138,9 +137,8 @@ def _time_modes(rank: int, pp: int, n_mb: int, family: str, sequences: int, repe
                 module.draft.zero_grad(set_to_none=True)
             if mode in TRANSPORTS:
                 channel.channel.reset()
-    for _, channel in modules.values():
-        if isinstance(channel, _Timed) and isinstance(channel.channel, TapChannel):
-            channel.channel.close()
+    for mode in TRANSPORTS:
+        modules[mode][1].channel.close()
     return {mode: {"step_s": median(steps[mode]),
                    "channel_s": channel.seconds / (repeats + 1) if channel is not None else 0.0}
             for mode, (_, channel) in modules.items()}

@@ -28,7 +28,7 @@ from torch import nn
 
 from codraft.config import Config, ConfigError
 from codraft.parallel.cp_draft import CPTokenShard, apply_cp_to_draft
-from codraft.parallel.cp_shard import ZigzagLayout, gather, shard_batch
+from codraft.parallel.cp_shard import gather, shard_batch
 from codraft.parallel.group_sharding import GroupSharding, all_reduce_grads
 from codraft.parallel.mesh import ParallelDims, init_distributed
 from codraft.parallel.ring_attention import apply_cp
@@ -40,16 +40,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CPBatchView(BatchView):
-    layout: ZigzagLayout | None = None
+    """`shard` is a CPTokenShard: its zigzag layout and CP group."""
+
     next_ids: torch.Tensor | None = None  # [T_local] the token after each local token (whole-batch shift)
     predicts_response: torch.Tensor | None = None  # [T_local] bool: the row predicts a response token
-    group: dist.ProcessGroup | None = None
 
     def per_response(self, fn: RowFn, logits: torch.Tensor) -> torch.Tensor:
         rows = torch.nonzero(self.predicts_response).flatten()
         values = fn(logits[rows], self.next_ids[rows])  # [R_local]
-        local = values.new_zeros(self.layout.num_tokens).index_put((rows,), values)  # [T_local]
-        return gather(local, self.layout, self.group)[self.batch.logprob_index]  # [T] -> [R]
+        layout = self.shard.layout
+        local = values.new_zeros(layout.num_tokens).index_put((rows,), values)  # [T_local]
+        return gather(local, layout, self.shard.group)[self.batch.logprob_index]  # [T] -> [R]
 
 
 def cp_view(batch: PackedRollouts, group: dist.ProcessGroup) -> CPBatchView:
@@ -72,10 +73,8 @@ def cp_view(batch: PackedRollouts, group: dist.ProcessGroup) -> CPBatchView:
         local.cu_seqlens,
         local.loss_mask,
         shard,
-        layout=local.layout,
         next_ids=local.per_token["next_ids"],
         predicts_response=local.per_token["predicts_response"],
-        group=group,
     )
 
 

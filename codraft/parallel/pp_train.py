@@ -233,13 +233,7 @@ class PipelineTrainer(Trainer):
                 self.draft.zero_grad(set_to_none=True)
             return None
         metrics["grad_norm/policy"] = self._clip_policy(o.grad_clip or math.inf)
-        self.policy_opt.step()
-        self.policy_sched.step()
-        self.policy_opt.zero_grad(set_to_none=True)
-        if self.draft_opt is not None:
-            self.draft_opt.step()
-            self.draft_sched.step()
-            self.draft_opt.zero_grad(set_to_none=True)
+        self._step_optimizers()
         return metrics
 
     def _last_stage_report(self, objective: JointObjective | None) -> dict:
@@ -263,8 +257,8 @@ class PipelineTrainer(Trainer):
         """clip_grad_norm_ over the whole policy: squared norms summed over the stages, the tied head (the last
         stage's copy of the embedding, whose gradient equals the embedding's) counted once."""
         params = [(n, p) for n, p in self.stage.named_parameters() if p.grad is not None]
-        duplicate = {"lm_head.weight"} if self.policy.args.tie_word_embeddings and self.pp_rank > 0 else set()
-        squares = [p.grad.detach().float().square().sum() for n, p in params if n not in duplicate]
+        owned = set(self.stage_keys[self.pp_rank])  # without a tied head's second copy
+        squares = [p.grad.detach().float().square().sum() for n, p in params if n in owned]
         total = torch.stack(squares).sum() if squares else torch.zeros((), device=self.device)
         dist.all_reduce(total, group=self.group)
         norm = total.sqrt()
@@ -291,30 +285,26 @@ class PipelineTrainer(Trainer):
     def _optimizer_checkpoint(self) -> tuple[dict[str, dict], dict]:
         """Every stage's optimizer state (`policy_stage{s}`) and the draft's, gathered to the pipeline's first rank
         (collective over the pipeline); the schedulers step together, so stage 0's and the last stage's suffice."""
+        if self.sharding.dims.dp_rank or self.sharding.dims.cp_rank:  # replicas of what global rank 0 writes
+            return {}, {}
         optimizers, meta = super()._optimizer_checkpoint()
-        mine = (_to_cpu(optimizers), meta["schedulers"])
         everyone: list | None = [None] * self.pp if self.pp_rank == 0 else None
-        dist.gather_object(mine, everyone, dst=self.sharding.root, group=self.group)
+        dist.gather_object((_to_cpu(optimizers), meta["schedulers"]), everyone, dst=self.sharding.root,
+                           group=self.group)
         if everyone is None:
             return {}, {}
-        gathered = {f"policy_stage{s}": states["policy"] for s, (states, _) in enumerate(everyone)}
-        last_states, last_schedulers = everyone[-1]
-        if "draft" in last_states:
-            gathered["draft"] = last_states["draft"]
-        schedulers = {"policy": meta["schedulers"]["policy"], "draft": last_schedulers["draft"]}
+        gathered = {name: state for states, _ in everyone for name, state in states.items()}  # draft: last stage
+        schedulers = {"policy": meta["schedulers"]["policy"], "draft": everyone[-1][1]["draft"]}
         return gathered, {"schedulers": schedulers, "pipeline": {"pp": self.pp}}
 
-    def _load_optimizer_states(self, ckpt: dict) -> None:
-        meta = ckpt["meta"]
-        if (pp := meta.get("pipeline", {}).get("pp")) != self.pp:
+    def _check_checkpoint_layout(self, ckpt: dict) -> None:
+        if (pp := ckpt["meta"].get("pipeline", {}).get("pp")) != self.pp:
             written = f"a pipeline of parallel.pp={pp}" if pp else "a run without pipeline parallelism"
             raise ConfigError(f"checkpoint.resume: {ckpt['path']} was written by {written}; optimizer states are "
                               f"per stage, so resume it with parallel.pp={pp or 1} (got parallel.pp={self.pp})")
-        self.policy_opt.load_state_dict(ckpt["optimizers"][f"policy_stage{self.pp_rank}"])
-        self.policy_sched.load_state_dict(meta["schedulers"]["policy"])
-        if self.draft_opt is not None:
-            self.draft_opt.load_state_dict(ckpt["optimizers"]["draft"])
-            self.draft_sched.load_state_dict(meta["schedulers"]["draft"])
+
+    def _policy_optimizer_name(self) -> str:
+        return f"policy_stage{self.pp_rank}"
 
 
 def _to_cpu(state):

@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from codraft.config import RLConfig
+
 Aggregation = Literal["token-mean", "sequence-mean", "dr-grpo"]
 ISCorrection = Literal["none", "tis", "token-clip"]
 AGGREGATIONS = ("token-mean", "sequence-mean", "dr-grpo")
@@ -202,3 +204,11 @@ def grpo_loss(
     metrics["loss/policy"] = loss.detach()
     values = torch.stack(list(metrics.values())).tolist()
     return loss, dict(zip(metrics, values, strict=True))
+
+
+def grpo_loss_for(rl: RLConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                  inference_logprobs: Tensor) -> tuple[Tensor, dict[str, float]]:
+    """`grpo_loss` with the clipping, KL, aggregation and IS-correction settings of `rl.*`."""
+    return grpo_loss(logprobs, old_logprobs, advantages, mask, eps_low=rl.eps_low, eps_high=rl.eps_high,
+                     beta=rl.beta, aggregation=rl.aggregation, max_tokens=rl.max_new_tokens,
+                     inference_logprobs=inference_logprobs, is_correction=rl.is_correction, is_cap=rl.is_cap)

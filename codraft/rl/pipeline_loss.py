@@ -19,7 +19,7 @@ import torch
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
 from codraft.rl.batch import per_sequence
-from codraft.rl.grpo import grpo_loss
+from codraft.rl.grpo import grpo_loss_for
 from codraft.rl.microbatch import Microbatch
 
 
@@ -65,10 +65,7 @@ class JointObjective:
         logprobs, mask = per_sequence(mb.view.response_logprobs(logits, rl.temperature), mb.batch)
         old = self.old_lp.setdefault(m, logprobs.detach())
         inference_lp, _ = per_sequence(mb.batch.inference_logprobs, mb.batch)
-        loss, metrics = grpo_loss(logprobs, old, mb.advantages.nan_to_num(0.0), mask, eps_low=rl.eps_low,
-                                  eps_high=rl.eps_high, beta=rl.beta, aggregation=rl.aggregation,
-                                  max_tokens=rl.max_new_tokens, inference_logprobs=inference_lp,
-                                  is_correction=rl.is_correction, is_cap=rl.is_cap)
+        loss, metrics = grpo_loss_for(rl, logprobs, old, mb.advantages, mask, inference_lp)
         self._accumulate(metrics, self.w_rl[m])
         if not torch.isfinite(loss):
             self.finite = False

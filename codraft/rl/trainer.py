@@ -24,11 +24,11 @@ from torch import nn
 from codraft.commands.common import load_policy
 from codraft.config import Config, ConfigError, config_to_dict
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import load_draft
+from codraft.drafts.export import check_family, load_draft
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
 from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
-from codraft.rl.grpo import group_advantages, grpo_loss, rewards_tensor, zero_variance_groups
+from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
 from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask, build_prompt_ids
@@ -93,12 +93,8 @@ class Trainer:
         if cfg.draft.family == "none":
             return None
         if cfg.checkpoint.draft_init is not None:
-            draft = load_draft(cfg.checkpoint.draft_init, self.policy)
-            if draft.family != cfg.draft.family:
-                raise ConfigError(
-                    f"checkpoint.draft_init holds a {draft.family} draft but draft.family={cfg.draft.family}"
-                )
-            return draft
+            return check_family(load_draft(cfg.checkpoint.draft_init, self.policy), "checkpoint.draft_init",
+                                "draft.family", cfg.draft.family)
         corpus = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in build_task(cfg).sample(256)]
         return build_draft(cfg.draft, self.policy, self.tokenizer, corpus)
 
@@ -197,20 +193,7 @@ class Trainer:
             logits = out.logits[0]  # [T_local, V]
             logprobs, _ = per_sequence(view.response_logprobs(logits, rl.temperature), batch)  # whole batch
             old_lp = logprobs.detach() if old_lp is None else old_lp  # the rollout policy's, this batch
-            rl_loss, rl_metrics = grpo_loss(
-                logprobs,
-                old_lp,
-                adv,
-                mask,
-                eps_low=rl.eps_low,
-                eps_high=rl.eps_high,
-                beta=rl.beta,
-                aggregation=rl.aggregation,
-                max_tokens=rl.max_new_tokens,
-                inference_logprobs=inference_lp,
-                is_correction=rl.is_correction,
-                is_cap=rl.is_cap,
-            )
+            rl_loss, rl_metrics = grpo_loss_for(rl, logprobs, old_lp, adv, mask, inference_lp)
             if not torch.isfinite(rl_loss):
                 log.warning("non-finite RL loss at step %d: update skipped", self.step)
                 self.policy_opt.zero_grad(set_to_none=True)
@@ -229,18 +212,22 @@ class Trainer:
             loss.backward()
             self.sharding.reduce_gradients([m for m in (self.policy, self.draft) if m is not None])
             grad_norm_policy = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), o.grad_clip or math.inf)
-            self.policy_opt.step()
-            self.policy_sched.step()
-            self.policy_opt.zero_grad(set_to_none=True)
             metrics = rl_metrics | draft_metrics | {"grad_norm/policy": float(grad_norm_policy)}
             if self.draft_opt is not None:
                 grad_norm_draft = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), o.draft_grad_clip or math.inf)
-                self.draft_opt.step()
-                self.draft_sched.step()
-                self.draft_opt.zero_grad(set_to_none=True)
                 metrics["grad_norm/draft"] = float(grad_norm_draft)
+            self._step_optimizers()
         metrics["entropy"] = float(view.response_entropy(logits.detach(), rl.temperature))
         return metrics
+
+    def _step_optimizers(self) -> None:
+        """The optimizers this rank holds, and their schedulers, step on the reduced and clipped gradients,
+        which are then cleared."""
+        for opt, sched in ((self.policy_opt, self.policy_sched), (self.draft_opt, self.draft_sched)):
+            if opt is not None:
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
 
     # --- checkpoints ----------------------------------------------------------------------
     def save(self) -> Path | None:
@@ -260,9 +247,19 @@ class Trainer:
             self.run_dir, self.step, tensors=tensors, optimizers=optimizers, meta=meta, keep=self.cfg.checkpoint.keep
         )
 
+    def _check_checkpoint_layout(self, ckpt: dict) -> None:
+        """Optimizer states are per pipeline stage: a run resumes with the pp it was written with."""
+        if (pp := ckpt["meta"].get("pipeline", {}).get("pp")) is not None:
+            raise ConfigError(f"checkpoint.resume: {ckpt['path']} holds the optimizer states of a pipeline of "
+                              f"parallel.pp={pp}; resume it with parallel.pp={pp}")
+
+    def _policy_optimizer_name(self) -> str:
+        """The policy optimizer's file stem in a checkpoint."""
+        return "policy"
+
     def _optimizer_checkpoint(self) -> tuple[dict[str, dict], dict]:
         """(optimizer states by checkpoint name, their entries of meta.json) as the writer stores them."""
-        optimizers = {"policy": self.policy_opt.state_dict()}
+        optimizers = {self._policy_optimizer_name(): self.policy_opt.state_dict()}
         if self.draft_opt is not None:
             optimizers["draft"] = self.draft_opt.state_dict()
         schedulers = {"policy": self.policy_sched.state_dict(),
@@ -294,10 +291,8 @@ class Trainer:
         log.info("resumed from %s at step %d", ckpt["path"], self.step)
 
     def _load_optimizer_states(self, ckpt: dict) -> None:
-        if (pp := ckpt["meta"].get("pipeline", {}).get("pp")) is not None:
-            raise ConfigError(f"checkpoint.resume: {ckpt['path']} holds the optimizer states of a pipeline of "
-                              f"parallel.pp={pp}; resume it with parallel.pp={pp}")
-        self.policy_opt.load_state_dict(ckpt["optimizers"]["policy"])
+        self._check_checkpoint_layout(ckpt)
+        self.policy_opt.load_state_dict(ckpt["optimizers"][self._policy_optimizer_name()])
         self.policy_sched.load_state_dict(ckpt["meta"]["schedulers"]["policy"])
         if self.draft_opt is not None:
             self.draft_opt.load_state_dict(ckpt["optimizers"]["draft"])
