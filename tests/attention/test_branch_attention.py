@@ -196,8 +196,9 @@ def test_branch_queries_only_when_q_is_none(impl):
     full = branch_attention(q, k, v, cu, b, impl=impl)
     only = branch_attention(None, k, v, cu, b, impl=impl)
     assert only.out is None and only.lse is None
-    torch.testing.assert_close(only.branch_out, full.branch_out, rtol=0, atol=0)
-    torch.testing.assert_close(only.branch_lse, full.branch_lse, rtol=0, atol=0)
+    # equal up to fp64 rounding: BLAS may block a GEMM of fewer query rows differently
+    torch.testing.assert_close(only.branch_out, full.branch_out, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(only.branch_lse, full.branch_lse, rtol=1e-12, atol=1e-14)
 
 
 def test_default_scale_is_inverse_sqrt_head_dim():
