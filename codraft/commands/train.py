@@ -14,7 +14,7 @@ from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/speedup_vs_ar", "loss/draft",
+SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/tokens_per_s", "loss/draft",
            "time/step_s")
 
 

@@ -83,6 +83,7 @@ class DraftModel(nn.Module):
         self.fusion = TapFusion(len(self.tap_layers), policy_args.hidden_size, policy_args.rms_norm_eps, fusion_norm)
         self._embed: torch.Tensor | None = None
         self._head: torch.Tensor | None = None
+        self._head_module: tuple[nn.Module, ...] = ()  # the policy's lm_head, unregistered (not a submodule)
 
     def attach(self, policy: Transformer) -> DraftModel:
         """Borrow the policy's embedding and head (detached views sharing storage)."""
@@ -92,6 +93,7 @@ class DraftModel(nn.Module):
             embed = head  # a last PP stage of a tied model embeds with its head weight
         self._embed = embed.detach() if embed is not None else None
         self._head = head.detach() if head is not None else None
+        self._head_module = (policy.lm_head,) if policy.lm_head is not None else ()
         return self
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -100,10 +102,16 @@ class DraftModel(nn.Module):
 
     def policy_head(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self._head is not None, "call draft.attach(policy) first"
+        if self._head_module and not torch.is_grad_enabled():  # inference: the policy's module, packed weight
+            return self._head_module[0](hidden)
         return nn.functional.linear(hidden, self._head)
 
     def fuse(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        return self.fusion([taps[i] for i in self.tap_layers])
+        return self.fusion.project(self.concat_taps(taps))
+
+    def concat_taps(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The taps side by side [..., n_taps * H], in fusion order (what `fusion.project` reads)."""
+        return torch.cat([taps[i] for i in self.tap_layers], dim=-1)
 
     def attention(self, q, k, v, cu_seqlens, branches: Branches | None = None) -> AttentionOutput:
         return (self.attention_op or self.default_attention)(q, k, v, cu_seqlens, branches)
@@ -129,8 +137,25 @@ class DraftModel(nn.Module):
         return {name: t.detach() for name, t in self.state_dict().items()}
 
     # --- inference hooks used by LearnedDrafter ---
+    cache_layers: int = 1  # draft layers that keep a KV cache at inference
+
     def new_state(self, batch_size: int, max_len: int) -> DraftState:
-        raise NotImplementedError
+        p = self.fusion.fc.weight
+        cache = KVCache(self.layer_args, batch_size, max_len, num_layers=self.cache_layers, dtype=p.dtype,
+                        device=p.device)
+        rows = torch.zeros(batch_size, dtype=torch.long, device=p.device)
+        return DraftState(
+            cache=cache,
+            absorbed=rows.clone(),
+            fresh_taps=p.new_zeros(batch_size, 0, p.shape[1]),
+            fresh_ids=rows.new_zeros(batch_size, 0),
+            fresh_len=rows.clone(),
+        )
+
+    def fresh_features(self, state: DraftState) -> torch.Tensor:
+        """Fused features [B, U, H] of every row's fresh tokens (fusion runs here, once per absorb, not per
+        verify step: while speculation is off the engine's commits only append taps)."""
+        return self.fusion.project(state.fresh_taps[:, : int(state.fresh_len.max())])
 
     def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
         raise NotImplementedError
@@ -142,31 +167,31 @@ class DraftState:
 
     Committed tokens are those in the target's KV cache. The draft has absorbed the
     first `absorbed[b]` of them into its own `cache`; the rest wait in `fresh_*`
-    (features and ids, right-padded) until the next proposal absorbs them in one
-    batched forward.
+    (concatenated taps and ids, right-padded) until the next proposal absorbs them
+    in one batched forward.
     """
 
     cache: KVCache
     absorbed: torch.Tensor  # [B] long
-    fresh_feats: torch.Tensor  # [B, U, H]
+    fresh_taps: torch.Tensor  # [B, U, n_taps * H]
     fresh_ids: torch.Tensor  # [B, U]
     fresh_len: torch.Tensor  # [B] long
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific per-row tensors [B, ...]
     generator: torch.Generator | None = None  # the engine's, for the draft's own sampling
 
-    def append(self, feats: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> None:
-        """Append the first counts[b] of feats [B, t, H] / ids [B, t] to row b's fresh part."""
+    def append(self, taps: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append the first counts[b] of taps [B, t, n_taps * H] / ids [B, t] to row b's fresh part."""
         B, t = ids.shape
         need = int((self.fresh_len + counts).max())
         if need > self.fresh_ids.shape[1]:
             pad = need - self.fresh_ids.shape[1]
-            self.fresh_feats = nn.functional.pad(self.fresh_feats, (0, 0, 0, pad))
+            self.fresh_taps = nn.functional.pad(self.fresh_taps, (0, 0, 0, pad))
             self.fresh_ids = nn.functional.pad(self.fresh_ids, (0, pad))
         steps = torch.arange(t, device=ids.device)
         keep = steps[None] < counts[:, None]
         rows = torch.arange(B, device=ids.device)[:, None].expand(B, t)[keep]
         cols = (self.fresh_len[:, None] + steps[None]).expand(B, t)[keep]
-        self.fresh_feats[rows, cols] = feats[keep].to(self.fresh_feats.dtype)
+        self.fresh_taps[rows, cols] = taps[keep].to(self.fresh_taps.dtype)
         self.fresh_ids[rows, cols] = ids[keep]
         self.fresh_len += counts
 
@@ -178,7 +203,7 @@ class DraftState:
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
         self.absorbed, self.fresh_len = self.absorbed[rows], self.fresh_len[rows]
-        self.fresh_feats, self.fresh_ids = self.fresh_feats[rows], self.fresh_ids[rows]
+        self.fresh_taps, self.fresh_ids = self.fresh_taps[rows], self.fresh_ids[rows]
         self.extra = {name: t[rows] for name, t in self.extra.items()}
 
 
@@ -186,7 +211,7 @@ class LearnedDrafter(Drafter):
     """Adapts any DraftModel to the engine's Drafter protocol."""
 
     def __init__(self, draft: DraftModel):
-        self.draft = draft
+        self.draft = self.model = draft
         self.tap_layers = draft.tap_layers
         self.state: DraftState | None = None
         self.params = SamplingParams()
@@ -199,10 +224,10 @@ class LearnedDrafter(Drafter):
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         lengths = torch.tensor([len(p) for p in prompts])
-        feats = self.draft.fuse(taps)
         self.state = self.draft.new_state(len(prompts), max_len)
         self.state.generator = generator
-        self.state.append(feats, ids.to(feats.device), lengths.to(feats.device))
+        concat = self.draft.concat_taps(taps)
+        self.state.append(concat, ids.to(concat.device), lengths.to(concat.device))
 
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int) -> Proposal:
@@ -210,7 +235,7 @@ class LearnedDrafter(Drafter):
 
     @torch.no_grad()
     def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:
-        self.state.append(self.draft.fuse(taps), tokens, kept)
+        self.state.append(self.draft.concat_taps(taps), tokens, kept)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.state.keep_rows(rows)

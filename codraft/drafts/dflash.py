@@ -73,11 +73,11 @@ from codraft.drafts.base import DraftBatch, DraftModel, DraftState
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
-from codraft.models import KVCache, ModelArgs
+from codraft.models import ModelArgs
 from codraft.models.model import RMSNorm
 from codraft.models.rope import RotaryEmbedding
 from codraft.rollout.drafter import Proposal
-from codraft.rollout.sampling import SamplingParams, probabilities, sample
+from codraft.rollout.sampling import SamplingParams, draw_proposal
 
 # (layer index, q [.., b, H, D], k/v [.., b, Hkv, D] of the block) -> attention output [.., b, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -184,11 +184,10 @@ class DFlashDraft(DraftModel):
 
     def draft_block(
         self, hidden: torch.Tensor, first: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, n, H] of slots 1..n, first [B] the anchor -> tokens [B, n], their draft probs [B, n, V].
-        Independent slots: all drawn at once, each from its own distribution."""
-        probs = probabilities(self.slot_logits(hidden, first[:, None].expand(hidden.shape[:2])), params)
-        return sample(probs, generator), probs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B, n, H] of slots 1..n, first [B] the anchor -> tokens [B, n], their draft probs [B, n, V]
+        (None when greedy). Independent slots: all drawn at once, each from its own distribution."""
+        return draw_proposal(self.slot_logits(hidden, first[:, None].expand(hidden.shape[:2])), params, generator)
 
     def block_loss(
         self,
@@ -274,19 +273,9 @@ class DFlashDraft(DraftModel):
         return metrics
 
     # --- inference ---
-    def new_state(self, batch_size: int, max_len: int) -> DraftState:
-        p = self.norm.weight
-        cache = KVCache(
-            self.layer_args, batch_size, max_len, num_layers=len(self.layers), dtype=p.dtype, device=p.device
-        )
-        counts = torch.zeros(batch_size, dtype=torch.long, device=p.device)
-        return DraftState(
-            cache=cache,
-            absorbed=counts.clone(),
-            fresh_feats=torch.zeros(batch_size, 0, self.policy_args.hidden_size, dtype=p.dtype, device=p.device),
-            fresh_ids=torch.zeros(batch_size, 0, dtype=torch.long, device=p.device),
-            fresh_len=counts.clone(),
-        )
+    @property
+    def cache_layers(self) -> int:
+        return len(self.layers)
 
     def absorb(self, state: DraftState) -> None:
         """Write every layer's context K/V of the fresh tokens at their positions, only the valid ones."""
@@ -296,8 +285,9 @@ class DFlashDraft(DraftModel):
             positions = state.absorbed[:, None] + steps  # [B, U]
             valid = steps[None] < state.fresh_len[:, None]
             rows, at = valid.nonzero(as_tuple=True)[0], positions[valid]
+            context = self.fresh_features(state)  # [B, U, H]
             for i in range(len(self.layers)):
-                k, v = self.context_kv(i, state.fresh_feats[:, :U], positions)  # [B, U, Hkv, D]
+                k, v = self.context_kv(i, context, positions)  # [B, U, Hkv, D]
                 state.cache.k[i][rows, :, at] = k[valid]
                 state.cache.v[i][rows, :, at] = v[valid]
         state.absorb_all()

@@ -32,7 +32,7 @@ from codraft.drafts.dflash import DFlashDraft
 from codraft.drafts.export import register_family
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.models import ModelArgs
-from codraft.rollout.sampling import SamplingParams, probabilities, sample
+from codraft.rollout.sampling import SamplingParams, draw_proposal
 
 
 class MarkovHead(nn.Module):
@@ -62,15 +62,16 @@ class DSparkDraft(DFlashDraft):
 
     def draft_block(
         self, hidden: torch.Tensor, first: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left to right: slot k is drawn given the token drafted at slot k-1."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Left to right: slot k is drawn given the token drafted at slot k-1 (the policy head runs once for all
+        slots; only the Markov bias waits for the previous token)."""
+        base = self.policy_head(hidden)  # [B, n, V]
         tokens, probs, prev = [], [], first
         for k in range(hidden.shape[1]):
-            p = probabilities(self.slot_logits(hidden[:, k], prev), params)  # [B, V]
-            prev = sample(p, generator)
+            prev, p = draw_proposal(base[:, k] + self.markov(prev), params, generator)  # [B], [B, V] | None
             tokens.append(prev)
             probs.append(p)
-        return torch.stack(tokens, 1), torch.stack(probs, 1)
+        return torch.stack(tokens, 1), None if params.greedy else torch.stack(probs, 1)
 
     def block_loss(self, hidden, logits, policy_logits, targets, weights, total):
         flat = logits.flatten(0, 1), policy_logits.flatten(0, 1), targets.flatten()

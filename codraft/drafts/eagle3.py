@@ -35,10 +35,11 @@ from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.drafts.vocab import build_draft_vocab
 from codraft.models import KVCache, ModelArgs
+from codraft.models.linear import Linear
 from codraft.models.model import RMSNorm
 from codraft.models.rope import RotaryEmbedding
 from codraft.rollout.drafter import Proposal
-from codraft.rollout.sampling import SamplingParams, probabilities, sample
+from codraft.rollout.sampling import SamplingParams, draw_proposal
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -93,7 +94,7 @@ class Eagle3Draft(DraftModel):
         d2t, t2d = build_draft_vocab(token_counts, cfg.draft_vocab_size)
         self.register_buffer("d2t", d2t)  # [N] int64: draft id i is target id i + d2t[i]
         self.register_buffer("t2d", t2d)  # [V] bool: target id is in the draft vocab
-        self.lm_head = nn.Linear(H, d2t.numel(), bias=False)
+        self.lm_head = Linear(H, d2t.numel(), bias=False)
         self.rotary = RotaryEmbedding(self.layer_args)
 
     # --- the layer, shared by training and inference ---
@@ -201,37 +202,29 @@ class Eagle3Draft(DraftModel):
         return total, dict(zip(stats, values, strict=True))
 
     # --- inference ---
-    def new_state(self, batch_size: int, max_len: int) -> DraftState:
-        w = self.lm_head.weight
-        cache = KVCache(self.layer_args, batch_size, max_len, num_layers=1, dtype=w.dtype, device=w.device)
-        rows = torch.zeros(batch_size, dtype=torch.long, device=w.device)
-        return DraftState(
-            cache=cache,
-            absorbed=rows.clone(),
-            fresh_feats=w.new_zeros(batch_size, 0, self.policy_args.hidden_size),
-            fresh_ids=rows.new_zeros(batch_size, 0),
-            fresh_len=rows.clone(),
-        )
-
     @torch.no_grad()
     def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
         """Absorb the fresh committed tokens, then draft a chain of k tokens per row.
 
-        probs are over the whole target vocab (zero outside the draft vocab), so verification is lossless.
+        Greedy rows need no distribution (the draft's argmax is a point mass); sampled ones report theirs
+        over the draft vocabulary only (`Proposal.vocab`), the rest of the target vocab having q = 0.
         """
         hidden = self._absorb(state, pending)  # [B, H] output at the last committed position n-1
         last = state.absorbed - 1  # [B]
+        vocab = self.draft_ids()
         tokens, probs = [], []
         for i in range(k):
-            p = probabilities(self.target_logits(self.head(hidden)), params)  # [B, V]
-            tokens.append(sample(p, state.generator))
+            local, p = draw_proposal(self.head(hidden), params, state.generator)  # [B] draft ids, [B, N] | None
+            tokens.append(vocab[local])
             probs.append(p)
             if i + 1 < k:  # tentative keys at n-1+i+1, past the committed length
                 pos = (last + i + 1)[:, None]
                 hidden = self._cached_forward(state.cache, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
         B = pending.shape[0]
         lengths = torch.full((B,), k, dtype=torch.long, device=pending.device)
-        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1))
+        if params.greedy:
+            return Proposal(torch.stack(tokens, 1), lengths)
+        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1), vocab=vocab)
 
     def _absorb(self, state: DraftState, pending: torch.Tensor) -> torch.Tensor:
         """One ragged forward over the pairs (f_j, x_{j+1}) of every row's fresh tokens -> hidden [B, H]
@@ -244,7 +237,7 @@ class Eagle3Draft(DraftModel):
         nxt = F.pad(state.fresh_ids[:, 1:U], (0, 1))  # the next committed id ...
         nxt = torch.where(is_last, pending[:, None], nxt)  # ... or the pending token after the last one
         positions = torch.where(valid, state.absorbed[:, None] + steps, 0)
-        hidden = self._cached_forward(state.cache, state.fresh_feats[:, :U], nxt, positions, valid)
+        hidden = self._cached_forward(state.cache, self.fresh_features(state), nxt, positions, valid)
         out = hidden[torch.arange(B, device=pending.device), state.fresh_len - 1]
         state.cache.advance(state.fresh_len)
         state.absorb_all()
@@ -276,11 +269,6 @@ class Eagle3Draft(DraftModel):
             enable_gqa=True,
         )
         return self.midlayer.finish(out.transpose(1, 2), hidden)
-
-    def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits [B, N] -> target-vocab logits [B, V], -inf outside the draft vocab."""
-        full = logits.new_full((logits.shape[0], self.policy_args.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_ids(), logits)
 
     # --- export (SGLang / vLLM `LlamaForCausalLMEagle3` layout) ---
     def export_config(self) -> dict:

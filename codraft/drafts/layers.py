@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from codraft.models.args import ModelArgs
+from codraft.models.linear import Linear
 from codraft.models.model import FeedForward, RMSNorm
 from codraft.models.rope import apply_rotary
 
@@ -22,11 +23,15 @@ class TapFusion(nn.Module):
 
     def __init__(self, num_taps: int, hidden_size: int, eps: float, norm: bool):
         super().__init__()
-        self.fc = nn.Linear(num_taps * hidden_size, hidden_size, bias=False)
+        self.fc = Linear(num_taps * hidden_size, hidden_size, bias=False)
         self.norm = RMSNorm(hidden_size, eps) if norm else None
 
     def forward(self, taps: list[torch.Tensor]) -> torch.Tensor:
-        fused = self.fc(torch.cat(taps, dim=-1))
+        return self.project(torch.cat(taps, dim=-1))
+
+    def project(self, concat: torch.Tensor) -> torch.Tensor:
+        """Taps already side by side [.., n*H] -> [.., H]."""
+        fused = self.fc(concat)
         return self.norm(fused) if self.norm is not None else fused
 
 
@@ -35,10 +40,10 @@ class Projections(nn.Module):
         super().__init__()
         d = args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
-        self.q_proj = nn.Linear(in_features, args.num_heads * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(in_features, args.num_kv_heads * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(in_features, args.num_kv_heads * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, args.hidden_size, bias=False)
+        self.q_proj = Linear(in_features, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = Linear(in_features, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = Linear(in_features, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = Linear(args.num_heads * d, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from codraft.models.args import ModelArgs
 from codraft.models.kv_cache import KVCache
+from codraft.models.linear import Linear
 from codraft.models.rope import RotaryEmbedding, apply_rotary
 
 # (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens [N+1]) -> out [T, H, D]
@@ -66,10 +67,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, d = args.hidden_size, args.head_dim
-        self.q_proj = nn.Linear(h, args.num_heads * d, bias=args.attention_bias)
-        self.k_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
-        self.v_proj = nn.Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
-        self.o_proj = nn.Linear(args.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, args.num_heads * d, bias=args.attention_bias)
+        self.k_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.v_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
+        self.o_proj = Linear(args.num_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.packed_attention: PackedAttention = packed_causal_sdpa  # parallelisms swap this from outside
@@ -101,9 +102,9 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -159,7 +160,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size) if embed else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in range(self.first_layer, self.last_layer)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if head else None
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False) if head else None
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if head else None
         if head and embed and args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(args)

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from codraft.models.linear import unpack_linears
 from codraft.parallel.mesh import ParallelDims
 from codraft.rl.sharding import Sharding
 
@@ -53,6 +54,7 @@ class GroupSharding(Sharding):
             if module is not None:
                 for t in (*module.parameters(), *module.buffers()):
                     dist.broadcast(t.data, src=0)
+                unpack_linears(module)  # the broadcast bypassed the version counters that packing reads
 
     def rollout(self, generate: Callable):
         """The group's first rank generates; every rank of the group gets its rollout and its RNG state after it."""

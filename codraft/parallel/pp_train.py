@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from codraft.config import Config, ConfigError
+from codraft.models.linear import unpack_linears
 from codraft.parallel.cp_draft import apply_cp_to_draft
 from codraft.parallel.cp_train import cp_view
 from codraft.parallel.dp_task import ReplicaTask
@@ -279,6 +280,9 @@ class PipelineTrainer(Trainer):
         if self.draft is not None:
             for t in (*self.draft.parameters(), *self.draft.buffers()):
                 dist.broadcast(t.data, src=ranks[-1], group=self.group)
+        for module in (self.policy, self.draft):  # broadcasts write behind the version counters packing reads
+            if module is not None:
+                unpack_linears(module)
         self.policy.eval()
 
     # --- checkpoints ------------------------------------------------------------------------

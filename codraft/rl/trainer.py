@@ -63,10 +63,10 @@ class Trainer:
         self.sharding.apply(self.policy, self.draft)
         self._build_optimizers()
         rl = cfg.rl
-        # without adaptive k the controller only keeps the cost model behind rollout/speedup_vs_ar
+        # one controller for the whole run: what it learns of acceptance and cost carries over between steps
         self.controller = (
-            SpeculationController(rl.num_speculative_tokens, fixed=not rl.adaptive)
-            if self.draft is not None and rl.num_speculative_tokens
+            SpeculationController(rl.num_speculative_tokens)
+            if self.draft is not None and rl.num_speculative_tokens and rl.adaptive
             else None
         )
         self.step = 0
@@ -156,7 +156,6 @@ class Trainer:
             "spec/acceptance_length": stats.acceptance_length,
             "spec/draft_tokens": float(stats.draft_tokens_proposed),
             "rollout/tokens_per_s": stats.tokens_per_s,
-            "rollout/speedup_vs_ar": stats.speedup_vs_ar,
             "time/rollout_s": t_rollout,
             "time/train_s": t_train,
             "time/refit_s": t_refit,

@@ -2,89 +2,102 @@
 
 With per-position conditional acceptance a_i = P(draft i accepted | draft i-1
 accepted), k drafts emit E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens per row
-for one target forward over rows x (k+1) tokens plus the draft's own work.
-The controller maximises tokens per second, E(k) * rows / (verify(rows*(k+1)) +
+for one target forward of rows x (k+1) tokens plus the draft's own work. The
+controller maximises tokens per second, E(k) * rows / (verify(rows, k+1) +
 draft(k)), and turns speculation off (k = 0) when no k beats plain decoding.
-At small batches a verify forward costs about what a decode step does and
-speculation wins; at large batches the target is compute-bound, verification
-is no longer free, and k shrinks or goes to 0.
+
+Everything is learned from the engine's own steps, so the controller costs
+nothing up front (no calibration forwards): the first step of a fresh
+controller decodes plainly, which times a decode step; acceptance starts from a
+weak prior worth one observation, so a useless draft is found out in a step or
+two; while off, probes of one draft token come at growing intervals (4, 8, ...
+64 steps), so a draft that got better is noticed at a bounded cost.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
-import time
-from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 
 class VerifyCostModel:
-    """Seconds per target forward as a function of tokens in it (rows x tokens).
+    """Seconds of a target forward of `rows` rows x `tokens` tokens per row, from observed forwards (EMA).
 
-    Calibrated on this machine by timing real forwards at a ladder of sizes, then
-    refined online by the timings of the engine's own forwards (EMA per size).
+    Keyed on the real shape, not on rows x tokens: at the same product, a forward of many rows reads
+    more KV cache than one of few rows with more tokens each. An unobserved shape is the decode cost at
+    those rows (interpolated between observed row counts) times the verify/decode ratio seen at the
+    nearest row count that has both, else `prior_extra` per extra token.
     """
 
-    def __init__(self, ema: float = 0.3):
-        self.points: dict[int, float] = {}
-        self.ema = ema
+    def __init__(self, ema: float = 0.3, prior_extra: float = 0.2):
+        self.points: dict[int, dict[int, float]] = {}  # tokens per row -> {rows: seconds}
+        self.ema, self.prior_extra = ema, prior_extra
 
-    def calibrate(self, forward: Callable[[int, int], None], rows: int, max_tokens: int, repeats: int = 2) -> None:
-        """forward(rows, tokens_per_row) runs one target forward of that shape."""
-        for t in sorted({1, 2, 3, 5, max_tokens} & set(range(1, max_tokens + 1))):
-            n = rows * t
-            if n in self.points:
-                continue
-            forward(rows, t)  # warm-up of this shape
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                forward(rows, t)
-                best = min(best, time.perf_counter() - start)
-            self.points[n] = best
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        by_rows = self.points.setdefault(tokens, {})
+        old = by_rows.get(rows)
+        by_rows[rows] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        old = self.points.get(tokens)
-        self.points[tokens] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+    def known(self) -> bool:
+        return 1 in self.points
 
-    def __call__(self, tokens: int) -> float:
-        xs = sorted(self.points)
-        assert xs, "cost model used before calibration"
-        i = bisect.bisect_left(xs, tokens)
-        if i < len(xs) and xs[i] == tokens:
-            return self.points[tokens]
+    def _at_rows(self, tokens: int, rows: int) -> float | None:
+        """Cost of `tokens` per row at `rows`, interpolated over observed row counts (flat below the
+        smallest, proportional above the largest: both err towards a higher cost)."""
+        by_rows = self.points.get(tokens)
+        if not by_rows:
+            return None
+        xs = sorted(by_rows)
+        i = bisect.bisect_left(xs, rows)
+        if i < len(xs) and xs[i] == rows:
+            return by_rows[rows]
         if i == 0:
-            return self.points[xs[0]] * tokens / xs[0] if tokens > xs[0] else self.points[xs[0]]
-        if i == len(xs):  # beyond the ladder: extend linearly from the last two points (or proportionally)
-            x0, x1 = (xs[-2], xs[-1]) if len(xs) > 1 else (0, xs[-1])
-            y0 = self.points[x0] if x0 else 0.0
-            return self.points[x1] + (tokens - x1) * (self.points[x1] - y0) / (x1 - x0)
-        x0, x1 = xs[i - 1], xs[i]
-        w = (tokens - x0) / (x1 - x0)
-        return (1 - w) * self.points[x0] + w * self.points[x1]
+            return by_rows[xs[0]]
+        if i == len(xs):
+            return by_rows[xs[-1]] * rows / xs[-1]
+        r0, r1 = xs[i - 1], xs[i]
+        w = (rows - r0) / (r1 - r0)
+        return (1 - w) * by_rows[r0] + w * by_rows[r1]
+
+    def _ratio(self, tokens: int, rows: int) -> float:
+        """cost(tokens) / cost(1) at the observed row count nearest to `rows` (or the nearest observed tokens,
+        extended linearly in tokens - 1)."""
+        for t in sorted((t for t in self.points if t > 1), key=lambda t: (abs(t - tokens), -t)):
+            common = set(self.points[t]) & set(self.points[1])
+            if common:
+                near = min(common, key=lambda r: (abs(r - rows), -r))
+                ratio = self.points[t][near] / self.points[1][near]
+                return 1 + (ratio - 1) * (tokens - 1) / (t - 1)
+        return 1 + self.prior_extra * (tokens - 1)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        assert self.known(), "cost model used before any decode step was observed"
+        decode = self._at_rows(1, rows)
+        if tokens == 1:
+            return decode
+        if rows in self.points.get(tokens, {}):
+            return self.points[tokens][rows]
+        return decode * self._ratio(tokens, rows)
 
 
 class SpeculationController:
-    """Chooses k in [0, max_k] before each verify step.
+    """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
-    Acceptance is tracked per position as an EMA over verify steps, starting
-    from an optimistic prior so speculation is tried; while off, it probes
-    every `probe_every` steps with a small k so a draft that got better is noticed.
-    """
-
-    def __init__(self, max_k: int, prior: float = 0.7, ema: float = 0.1, probe_every: int = 16, probe_k: int = 2,
-                 fixed: bool = False):
+    def __init__(self, max_k: int, prior: float = 0.5, prior_weight: float = 1.0, decay: float = 0.98,
+                 probe_k: int = 1, first_probe: int = 4, max_probe_interval: int = 64):
         self.max_k = max_k
-        self.fixed = fixed  # always max_k; the cost model still learns (for speedup estimates)
-        self.accept = [prior] * max_k  # a_i, conditional acceptance at position i
-        self.ema = ema
-        self.probe_every, self.probe_k = probe_every, probe_k
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.hits = [0.0] * max_k  # discounted accepted counts per position
+        self.trials = [0.0] * max_k  # discounted reached counts per position
         self.cost = VerifyCostModel()
-        self.draft_cost_per_token = 0.0
-        self.steps_off = 0
-        self.last_predicted_speedup = 1.0
+        self.draft_s: dict[int, float] = {}  # k -> EMA of the draft's seconds for one proposal
+        self.probe_k, self.first_probe, self.max_probe_interval = probe_k, first_probe, max_probe_interval
+        self.steps_off, self.probe_interval = 0, first_probe
+
+    @property
+    def accept(self) -> list[float]:
+        """a_i, the conditional acceptance estimate at each draft position."""
+        w = self.prior_weight
+        return [(h + self.prior * w) / (n + w) for h, n in zip(self.hits, self.trials, strict=True)]
 
     def expected_tokens(self, k: int) -> float:
         total, alive = 1.0, 1.0
@@ -93,33 +106,41 @@ class SpeculationController:
             total += alive
         return total
 
+    def draft_cost(self, k: int) -> float:
+        """Seconds of one proposal of k tokens: observed, else the nearest observed k scaled by k (0 if none)."""
+        if k in self.draft_s:
+            return self.draft_s[k]
+        if not self.draft_s:
+            return 0.0
+        near = min(self.draft_s, key=lambda j: abs(j - k))
+        return self.draft_s[near] * k / near
+
     def tokens_per_second(self, rows: int, k: int) -> float:
-        seconds = self.cost(rows * (k + 1)) + k * self.draft_cost_per_token
+        seconds = self.cost(rows, k + 1) + (self.draft_cost(k) if k else 0.0)
         return rows * self.expected_tokens(k) / seconds
 
     def choose(self, rows: int) -> int:
-        if self.fixed:
-            return self.max_k
+        if not self.cost.known():
+            return 0  # the first step decodes plainly and so times a decode step
         rates = [self.tokens_per_second(rows, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rates.__getitem__)
-        self.last_predicted_speedup = rates[best] / rates[0]
-        if best == 0:
-            self.steps_off += 1
-            if self.steps_off % self.probe_every == 0:
-                return min(self.probe_k, self.max_k)
+        if best:
+            self.steps_off, self.probe_interval = 0, self.first_probe
+            return best
+        self.steps_off += 1
+        if self.steps_off < self.probe_interval:
             return 0
         self.steps_off = 0
-        return best
+        self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+        return min(self.probe_k, self.max_k)
 
-    def observe(
-        self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float, draft_s: float
-    ) -> None:
+    def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,
+                draft_s: float) -> None:
         """reached[i]/accepted[i]: rows for which draft position i was in play / accepted."""
         for i in range(min(k, self.max_k)):
-            if reached[i]:
-                rate = accepted[i] / reached[i]
-                self.accept[i] = (1 - self.ema) * self.accept[i] + self.ema * rate
-        self.cost.observe(rows * (k + 1), verify_s)
+            self.hits[i] = self.decay * self.hits[i] + accepted[i]
+            self.trials[i] = self.decay * self.trials[i] + reached[i]
+        self.cost.observe(rows, k + 1, verify_s)
         if k:
-            per_token = draft_s / k
-            self.draft_cost_per_token = 0.8 * self.draft_cost_per_token + 0.2 * per_token
+            old = self.draft_s.get(k)
+            self.draft_s[k] = draft_s if old is None else 0.7 * old + 0.3 * draft_s

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from codraft.rollout.sampling import SamplingParams
 
@@ -23,7 +24,8 @@ from codraft.rollout.sampling import SamplingParams
 class Proposal:
     tokens: torch.Tensor  # [B, k'] long, k' <= k (entries past `lengths` are ignored)
     lengths: torch.Tensor  # [B] long, valid proposals per row, <= k
-    probs: torch.Tensor | None = None  # [B, k, V] draft distributions; None = point masses
+    probs: torch.Tensor | None = None  # [B, k, N] draft distributions; None = point masses
+    vocab: torch.Tensor | None = None  # [N] ascending target ids that probs cover (q = 0 elsewhere); None = all V
 
 
 class Drafter:
@@ -34,6 +36,7 @@ class Drafter:
     """
 
     tap_layers: tuple[int, ...] = ()
+    model: nn.Module | None = None  # a learned drafter's weights, which the engine packs for inference
 
     def start(
         self,

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from codraft.models import KVCache, Transformer
+from codraft.models import Transformer
+from codraft.models.linear import pack_linears, unpack_linears
 from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal
 from codraft.rollout.sampling import SamplingParams, draw, probabilities
 from codraft.rollout.stats import RolloutStats
-from codraft.rollout.verify import verify
+from codraft.rollout.verify import verify, verify_greedy, vocab_index
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +52,32 @@ def _check_prompts(prompts: list[list[int]], vocab_size: int, max_context: int, 
 
 
 def _usable(proposal: Proposal, rows: int, k: int, vocab_size: int) -> str | None:
-    """Why a proposal cannot be verified (None if it can). A bad draft may only cost speed."""
-    tokens, lengths, probs = proposal.tokens, proposal.lengths, proposal.probs
+    """Why a proposal cannot be verified (None if it can). A bad draft may only cost speed.
+
+    Shapes are checked in Python; the values with a few reductions and one device sync, reading the
+    probabilities once for their row sums and once for their minimum."""
+    tokens, lengths, probs, vocab = proposal.tokens, proposal.lengths, proposal.probs, proposal.vocab
     if tokens.dim() != 2 or tokens.shape[0] != rows or lengths.shape != (rows,):
         return f"tokens {tuple(tokens.shape)} / lengths {tuple(lengths.shape)} do not fit {rows} rows"
-    if bool((lengths < 0).any()) or bool((lengths > min(k, tokens.shape[1])).any()):
-        return f"lengths outside [0, {k}]"
+    width = vocab_size if vocab is None else vocab.numel()
+    if probs is not None and probs.shape != (*tokens.shape, width):
+        return f"probs {tuple(probs.shape)} do not match tokens {tuple(tokens.shape)} x vocab {width}"
+    if vocab is not None and (vocab.dim() != 1 or not 0 < vocab.numel() <= vocab_size):
+        return f"vocab {tuple(vocab.shape)} is not a list of at most {vocab_size} target ids"
     valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
-    if bool(((tokens < 0) | (tokens >= vocab_size))[valid].any()):
-        return f"token ids outside [0, {vocab_size})"
+    checks = [((lengths < 0) | (lengths > min(k, tokens.shape[1]))).any(),
+              ((tokens < 0) | (tokens >= vocab_size))[valid].any()]
     if probs is not None:
-        if probs.shape != (*tokens.shape, vocab_size):
-            return f"probs {tuple(probs.shape)} do not match tokens {tuple(tokens.shape)} x vocab {vocab_size}"
-        probs = probs[valid]
-        if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
-            return "probs are negative or not finite"
-        if bool(((probs.sum(-1) - 1).abs() > 1e-3).any()):
-            return "probs do not sum to 1"
-        if bool((probs.gather(-1, tokens[valid][:, None]) <= 0).any()):
-            return "a proposed token has zero draft probability"
-    return None
+        index = vocab_index(tokens.clamp(0, vocab_size - 1), vocab)
+        q = probs.gather(-1, index[..., None]).squeeze(-1)[valid]
+        off_vocab = (vocab[index] != tokens)[valid].any() if vocab is not None else q.new_zeros((), dtype=torch.bool)
+        sums, low = probs.sum(-1)[valid], probs.amin(-1)[valid]
+        checks += [~torch.isfinite(sums).all() | (low < 0).any(), ((sums - 1).abs() > 1e-3).any(),
+                   off_vocab | (q <= 0).any()]
+    failed = torch.stack(checks).tolist()
+    reasons = [f"lengths outside [0, {k}]", f"token ids outside [0, {vocab_size})", "probs are negative or not finite",
+               "probs do not sum to 1", "a proposed token has zero draft probability"]
+    return next((why for why, bad in zip(reasons, failed, strict=False) if bad), None)
 
 
 @torch.no_grad()
@@ -87,13 +94,16 @@ def generate(
     stop_token_ids: list[int] | None = None,
     seed: int | None = None,
     adaptive: bool | SpeculationController = False,
+    packed_weights: bool = True,
 ) -> Rollout:
     """Generate a continuation of every prompt; rows finish independently.
 
     With a drafter, up to `num_speculative_tokens` drafts per row are verified per
     target forward; the output distribution is the target's either way. `adaptive`
     (True or a controller kept across calls) picks k per step and may turn
-    speculation off when it does not pay.
+    speculation off when it does not pay. `packed_weights` runs the target's and
+    the draft's linears on oneDNN-packed copies (models/linear.py); False is the
+    plain F.linear reference path.
     """
     params = SamplingParams(temperature, top_p, top_k)
     if num_speculative_tokens < 0:
@@ -113,6 +123,10 @@ def generate(
     stats = RolloutStats(rows=len(prompts))
     taps = drafter.tap_layers if drafter is not None else ()
     start = time.perf_counter()
+    for module in (model, drafter.model if drafter is not None else None):  # the target and a learned draft
+        if module is not None:  # packing is a no-op unless weights changed since the last call
+            pack_linears(module) if packed_weights else unpack_linears(module)
+    stats.time_pack_s = time.perf_counter() - start
 
     # prefill: right-padded prompts; pad positions write keys no query will see
     B = len(prompts)
@@ -157,9 +171,6 @@ def generate(
     if bool(done.any()):
         retire(done, hit_stop)
 
-    if controller is not None and rows.numel():
-        _calibrate(model, cache, controller, rows.numel(), k_max)
-
     while rows.numel():
         live = rows.numel()
         k = controller.choose(live) if controller is not None else k_max
@@ -185,13 +196,19 @@ def generate(
             feed = pending[:, None]
         fwd = model(feed, cache=cache, taps=taps)
         if proposal is not None:
-            target = probabilities(fwd.logits, params)  # [B, k+1, V]
-            draft_probs = proposal.probs[:, :k] if proposal.probs is not None else None
-            verdict = verify(drafts, num_drafts, draft_probs, target, generator)
+            if params.greedy:  # argmax ids only; greedy log-probs are 0 (point masses)
+                verdict = verify_greedy(drafts, num_drafts, fwd.logits.argmax(-1))
+            else:
+                target = probabilities(fwd.logits, params)  # [B, k+1, V]
+                draft_probs = proposal.probs[:, :k] if proposal.probs is not None else None
+                verdict = verify(drafts, num_drafts, draft_probs, proposal.vocab, target, generator)
             accepted, nxt = verdict.num_accepted, verdict.next_token
             emitted = torch.cat([drafts, nxt[:, None]], dim=1)
             emitted[torch.arange(live, device=device), accepted] = nxt
-            emitted_logprobs = target.gather(-1, emitted[..., None]).squeeze(-1).log()
+            if params.greedy:
+                emitted_logprobs = torch.zeros(emitted.shape, device=device)
+            else:
+                emitted_logprobs = target.gather(-1, emitted[..., None]).squeeze(-1).log()
         else:
             accepted = torch.zeros(live, dtype=torch.long, device=device)
             nxt, nxt_logprob = draw(fwd.logits[:, 0], params, generator)
@@ -252,8 +269,6 @@ def _count_step(
     stats.target_forwards += 1
     stats.row_verifies += live
     stats.tokens_from_verifies += int(emitted.sum())
-    if controller is not None:  # plain decoding would need emitted/live forwards of `live` rows
-        stats.ar_time_estimate_s += controller.cost(live) * float(emitted.sum()) / live
     stats.k_chosen.append(k)
     if not k:
         if controller is not None:
@@ -268,25 +283,3 @@ def _count_step(
     if controller is not None:
         reached = (accepted[:, None] >= positions).sum(0).tolist()
         controller.observe(k, reached, accepted_at, live, verify_s, draft_s)
-
-
-def _calibrate(model: Transformer, cache: KVCache, controller: SpeculationController, rows: int, k_max: int) -> None:
-    """Time real forwards on the live cache (lengths untouched, so nothing is kept)."""
-
-    def forward(n_rows: int, n_tokens: int) -> None:
-        sub = cache if n_rows == cache.batch_size else _row_view(cache, n_rows)
-        model(torch.zeros(n_rows, n_tokens, dtype=torch.long, device=cache.lengths.device), cache=sub)
-
-    controller.cost.calibrate(forward, 1, k_max + 1)
-    controller.cost.calibrate(forward, rows, k_max + 1)
-
-
-def _row_view(cache: KVCache, n_rows: int) -> KVCache:
-    view = object.__new__(KVCache)
-    view.k, view.v, view.lengths, view.max_len = (
-        cache.k[:, :n_rows],
-        cache.v[:, :n_rows],
-        cache.lengths[:n_rows],
-        cache.max_len,
-    )
-    return view

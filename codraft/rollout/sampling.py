@@ -67,3 +67,12 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
     probs = probabilities(logits, params)
     tokens = sample(probs, generator)
     return tokens, probs.gather(-1, tokens[..., None]).squeeze(-1).log()
+
+
+def draw_proposal(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """A drafter's token per row of logits [..., N] and the distribution it was drawn from ([..., N] probs), or
+    None when greedy: a greedy draft is a point mass on its argmax, which is all verification needs."""
+    if params.greedy:
+        return logits.argmax(-1), None
+    probs = probabilities(logits, params)
+    return sample(probs, generator), probs

@@ -21,14 +21,8 @@ class RolloutStats:
     time_prefill_s: float = 0.0
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
+    time_pack_s: float = 0.0  # re-packing weights that changed since the last call (models/linear.py)
     time_total_s: float = 0.0
-    ar_time_estimate_s: float = 0.0  # what plain decoding of the same tokens would cost (controller's model)
-
-    @property
-    def speedup_vs_ar(self) -> float:
-        """Estimated decode speedup over plain decoding; nan without a cost model."""
-        spent = self.time_draft_s + self.time_verify_s
-        return self.ar_time_estimate_s / spent if self.ar_time_estimate_s and spent else float("nan")
 
     @property
     def acceptance_length(self) -> float:
@@ -62,7 +56,7 @@ class RolloutStats:
             "rollout/tokens": float(self.tokens_generated),
             "rollout/target_forwards": float(self.target_forwards),
             "rollout/tokens_per_s": self.tokens_per_s,
-            "rollout/speedup_vs_ar": self.speedup_vs_ar,
+            "time/pack_s": self.time_pack_s,
             "time/prefill_s": self.time_prefill_s,
             "time/draft_s": self.time_draft_s,
             "time/verify_s": self.time_verify_s,

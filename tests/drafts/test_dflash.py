@@ -125,19 +125,21 @@ def test_incremental_context_cache_equals_a_fresh_full_forward():
     g = torch.Generator().manual_seed(3)
     lengths = [13, 7, 16]
     seqs = [torch.randint(0, MASK_ID, (n,), generator=g) for n in lengths]
-    feats = [draft.fuse(policy(s[None], taps=draft.tap_layers).taps)[0].detach() for s in seqs]  # [n, H]
+    taps = [policy(s[None], taps=draft.tap_layers).taps for s in seqs]
+    feats = [draft.fuse(t)[0].detach() for t in taps]  # [n, H]
+    concat = [draft.concat_taps(t)[0].detach() for t in taps]  # [n, n_taps * H], what the engine commits
     chunks = torch.tensor([[3, 1, 6], [2, 3, 1], [4, 1, 5], [1, 1, 2]])  # tokens committed per step and row
     state = draft.new_state(3, 32)
     done = torch.zeros(3, dtype=torch.long)
     params = SamplingParams(1.0)
     for counts in chunks:
         width = int(counts.max())
-        step_feats = torch.zeros(3, width, feats[0].shape[-1], dtype=feats[0].dtype)
+        step_taps = torch.zeros(3, width, concat[0].shape[-1], dtype=concat[0].dtype)
         step_ids = torch.zeros(3, width, dtype=torch.long)
         for r in range(3):
             n0, n1 = int(done[r]), int(done[r] + counts[r])
-            step_feats[r, : n1 - n0], step_ids[r, : n1 - n0] = feats[r][n0:n1], seqs[r][n0:n1]
-        state.append(step_feats, step_ids, counts)
+            step_taps[r, : n1 - n0], step_ids[r, : n1 - n0] = concat[r][n0:n1], seqs[r][n0:n1]
+        state.append(step_taps, step_ids, counts)
         done += counts
         pending = torch.stack([seqs[r][int(done[r])] for r in range(3)])
         proposal = draft.propose(state, pending, 5, params)

@@ -73,7 +73,7 @@ def test_each_slot_reports_its_distribution_given_the_previous_draft():
     draft, policy = markov_draft(scale=3.0)
     prompts = torch.tensor([[3, 4, 5, 6, 7], [8, 9, 10, 11, 12]])
     state = draft.new_state(2, 32)
-    state.append(draft.fuse(policy(prompts, taps=draft.tap_layers).taps), prompts, torch.tensor([5, 3]))
+    state.append(draft.concat_taps(policy(prompts, taps=draft.tap_layers).taps), prompts, torch.tensor([5, 3]))
     pending = torch.tensor([13, 14])
     params = SamplingParams(0.8, top_k=20)
     state.generator = torch.Generator().manual_seed(0)

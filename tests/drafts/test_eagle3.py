@@ -221,8 +221,9 @@ def test_incremental_proposals_equal_ttt_over_the_same_history():
                 cu, positions = torch.tensor([0, len(seq)]), torch.arange(len(seq))
                 logits = draft.ttt_forward(draft.fuse(taps)[0], seq, cu, positions, steps=k)
             for s in range(k):
-                expected = probabilities(draft.target_logits(logits[s][n - 1 : n]), params)[0]
+                expected = probabilities(logits[s][n - 1 : n], params)[0]  # over the draft vocab
                 torch.testing.assert_close(proposal.probs[b, s], expected, atol=1e-6, rtol=1e-5)
+                assert torch.equal(proposal.vocab, draft.draft_ids())
         feed = torch.cat([pending[:, None], proposal.tokens], 1)
         kept = torch.tensor(kept)
         with torch.no_grad():

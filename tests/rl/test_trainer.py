@@ -24,7 +24,6 @@ DESIGN_METRICS = [
     "spec/accept_rate_pos_0",
     "spec/draft_tokens",
     "rollout/tokens_per_s",
-    "rollout/speedup_vs_ar",
     "time/rollout_s",
     "time/train_s",
     "time/refit_s",

@@ -27,12 +27,15 @@ def tiny_model(vocab_size: int = 64, sharpen: float = 1.0, seed: int = 0, **over
 class SkewedDrafter(Drafter):
     """A deliberately poor drafter: draws from a fixed random distribution unrelated to the target.
 
-    With `point_mass`, proposes the same draws as point masses (no probs).
+    With `point_mass`, proposes the same draws as point masses (no probs); with `vocab` (ascending target ids),
+    draws only from those ids and reports q over them alone, as EAGLE-3's reduced vocabulary does.
     """
 
-    def __init__(self, vocab_size: int, seed: int = 123, point_mass: bool = False):
+    def __init__(self, vocab_size: int, seed: int = 123, point_mass: bool = False,
+                 vocab: torch.Tensor | None = None):
         g = torch.Generator().manual_seed(seed)
-        self.q = (torch.randn(vocab_size, generator=g) * 2).softmax(-1)
+        self.vocab = vocab
+        self.q = (torch.randn(vocab_size if vocab is None else vocab.numel(), generator=g) * 2).softmax(-1)
         self.g = torch.Generator().manual_seed(seed + 1)
         self.point_mass = point_mass
         self.rows = 0
@@ -42,8 +45,10 @@ class SkewedDrafter(Drafter):
 
     def propose(self, pending, k):
         tokens = torch.multinomial(self.q.expand(self.rows, -1), k, replacement=True, generator=self.g)
+        if self.vocab is not None:
+            tokens = self.vocab[tokens]
         probs = None if self.point_mass else self.q.expand(self.rows, k, -1).clone()
-        return Proposal(tokens=tokens, lengths=torch.full((self.rows,), k), probs=probs)
+        return Proposal(tokens=tokens, lengths=torch.full((self.rows,), k), probs=probs, vocab=self.vocab)
 
     def keep_rows(self, rows):
         self.rows = rows.numel()

@@ -8,6 +8,7 @@ import torch
 from codraft.rollout import Proposal, SamplingParams, generate
 from codraft.rollout.drafters import NgramDrafter, PreviousRolloutDrafter
 from codraft.rollout.sampling import probabilities
+from codraft.rollout.verify import verify, verify_greedy
 from tests.rollout.conftest import SkewedDrafter, tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 10, 11, 12, 13], [20]]
@@ -160,3 +161,59 @@ def test_bad_input_is_a_clear_value_error(kwargs, message):
     call = dict(prompts=[[3, 4]], drafter=NgramDrafter()) | kwargs
     with pytest.raises(ValueError, match=message):
         generate(model, call.pop("prompts"), **call)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)], ids=["greedy", "t1"])
+def test_packed_weights_give_the_reference_paths_tokens_and_logprobs(params):
+    """The fast path (oneDNN-packed linears, greedy verification on argmax ids) against the plain one."""
+    model = tiny_model(vocab_size=48, sharpen=2.0, tie_word_embeddings=False)
+    kw = dict(drafter=SkewedDrafter(48), num_speculative_tokens=3, temperature=params.temperature,
+              max_new_tokens=16, stop_token_ids=[], seed=5)
+    fast = generate(model, PROMPTS, **kw)
+    kw["drafter"] = SkewedDrafter(48)
+    reference = generate(model, PROMPTS, packed_weights=False, **kw)
+    assert fast.tokens == reference.tokens
+    for a, b in zip(fast.logprobs, reference.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_verification_equals_verification_against_point_masses():
+    g = torch.Generator().manual_seed(0)
+    B, k, V = 64, 4, 6
+    logits = torch.randn(B, k + 1, V, generator=g)
+    drafts = torch.randint(0, V, (B, k), generator=g)
+    drafts[:16] = logits[:16, :k].argmax(-1)  # some rows accept everything
+    num_drafts = torch.randint(0, k + 1, (B,), generator=g)
+    fast = verify_greedy(drafts, num_drafts, logits.argmax(-1))
+    reference = verify(drafts, num_drafts, None, None, probabilities(logits, SamplingParams(0.0)), g)
+    assert torch.equal(fast.num_accepted, reference.num_accepted)
+    assert torch.equal(fast.next_token, reference.next_token)
+
+
+def test_sparse_draft_distributions_verify_as_their_full_vocab_expansion():
+    g = torch.Generator().manual_seed(1)
+    B, k, V = 32, 3, 10
+    vocab = torch.tensor([1, 4, 5, 8])
+    q_sparse = torch.rand(B, k, vocab.numel(), generator=g).softmax(-1)
+    q_full = torch.zeros(B, k, V).index_copy_(-1, vocab, q_sparse)
+    drafts = vocab[torch.randint(0, vocab.numel(), (B, k), generator=g)]
+    target = torch.rand(B, k + 1, V, generator=g).softmax(-1)
+    num_drafts = torch.full((B,), k)
+    sparse = verify(drafts, num_drafts, q_sparse, vocab, target, torch.Generator().manual_seed(9))
+    full = verify(drafts, num_drafts, q_full, None, target, torch.Generator().manual_seed(9))
+    assert torch.equal(sparse.num_accepted, full.num_accepted) and torch.equal(sparse.next_token, full.next_token)
+    assert (sparse.num_accepted < k).any() and (sparse.num_accepted > 0).any()
+
+
+def test_an_untrained_learned_draft_with_adaptive_k_keeps_greedy_output():
+    """(How rarely it speculates is timing-driven: measured by `codraft bench rollout`, and with synthetic
+    timings in test_adaptive.py.)"""
+    from codraft.config import DraftConfig
+    from codraft.drafts import build_draft
+
+    model = model_for_greedy()
+    draft = build_draft(DraftConfig(family="eagle3", draft_vocab_size=0), model).eval()
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=40, stop_token_ids=[])
+    spec = generate(model, PROMPTS, drafter=draft.drafter(), num_speculative_tokens=4, temperature=0,
+                    max_new_tokens=40, stop_token_ids=[], adaptive=True)
+    assert spec.tokens == plain.tokens

@@ -1,0 +1,66 @@
+"""The packed Linear: same outputs as F.linear outside autograd, never used for gradients or stale weights."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codraft.models.linear import Linear, pack_linears, packing_available, unpack_linears
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (5, 24), (3, 4, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_forward_matches_f_linear(shape, bias):
+    torch.manual_seed(0)
+    layer = Linear(24, 40, bias=bias)
+    x = torch.randn(shape)
+    assert pack_linears(layer) == 1
+    with torch.no_grad():
+        out = layer(x)
+    assert layer.packed is not None
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_do_not_depend_on_how_many_share_the_call():
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=False)
+    pack_linears(layer)
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        together = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+
+
+def test_gradients_never_use_the_packed_copy():
+    torch.manual_seed(0)
+    layer, reference = Linear(16, 8), torch.nn.Linear(16, 8)
+    reference.load_state_dict(layer.state_dict())
+    pack_linears(layer)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = torch.randn(4, 16, requires_grad=True)
+    layer(x).square().sum().backward()
+    reference(y.detach().copy_(x.detach()).requires_grad_()).square().sum().backward()
+    assert torch.equal(layer.weight.grad, reference.weight.grad)
+
+
+def test_an_optimizer_step_makes_the_copy_stale_until_repacked():
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=False)
+    pack_linears(layer)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.5)
+    layer(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))  # the plain path, on the new weight
+        pack_linears(layer)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_unpack_drops_every_copy():
+    module = torch.nn.Sequential(Linear(4, 4), torch.nn.ReLU(), Linear(4, 2))
+    assert pack_linears(module) == 2
+    unpack_linears(module)
+    assert all(m.packed is None for m in module if isinstance(m, Linear))
