@@ -2,18 +2,22 @@
 
 Acceptance: tau and per-position acceptance at k = 7 (EAGLE-3) or one block (DFlash/DSpark: block 8 => k = 7),
 greedy and at temperature 1, with the real rollout engine (stop tokens on, as in RL rollouts).
-Speedup: plain decoding against speculative decoding with the draft at that fixed k, per batch size, greedy
-and at temperature 1, on the same prompts with the same max_new_tokens (stop tokens off, so both emit the
-same number of tokens), medians of interleaved repeats after one warm-up run of each.
+Speedup: plain decoding against speculative decoding with the draft, adaptive k (what `generate` and `train`
+use; one controller per batch size and temperature kept across repeats, as the trainer keeps one across steps)
+and beside it the fixed k, per batch size, greedy and at temperature 1, on the same prompts with the same
+max_new_tokens (stop tokens off, so every run emits the same number of tokens), medians of interleaved repeats
+after one warm-up run of each. Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's
+chain, per block for DFlash/DSpark) at fixed k, as a share of a plain decode step at the same batch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 
-from codraft.bench.report import machine, markdown_table, median, timed, write_results
+from codraft.bench.report import interleaved, machine, markdown_table, median, write_results
 from codraft.commands.common import load_policy
 from codraft.config import Config, ConfigError
 from codraft.drafts import DraftModel
@@ -22,7 +26,7 @@ from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptanc
 from codraft.drafts.export import check_family, load_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
-from codraft.rollout import Rollout, generate
+from codraft.rollout import Rollout, SpeculationController, generate
 
 log = logging.getLogger(__name__)
 
@@ -62,34 +66,49 @@ def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
 
 def speed_runs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], k: int,
                max_new_tokens: int) -> dict[str, Callable[[], Rollout]]:
-    """Plain (`ar_t*`) and speculative (`spec_t*`) decoding of the same prompts at each eval temperature."""
+    """Plain (`ar_t*`), adaptive (`spec_t*`) and fixed-k (`fixed_t*`) decoding of the same prompts per temperature."""
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=[], seed=0)
     runs = {}
     for t in EVAL_TEMPERATURES:
+        controller = SpeculationController(k)
         runs[f"ar_t{t:g}"] = lambda t=t: generate(policy, prompts, temperature=t, **common)
-        runs[f"spec_t{t:g}"] = lambda t=t: generate(policy, prompts, drafter=draft.drafter(), num_speculative_tokens=k,
-                                                    temperature=t, adaptive=False, **common)
+        runs[f"spec_t{t:g}"] = lambda t=t, c=controller: generate(
+            policy, prompts, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=c, **common)
+        runs[f"fixed_t{t:g}"] = lambda t=t: generate(
+            policy, prompts, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False,
+            **common)
     return runs
+
+
+def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
+    """The draft's seconds per proposal (per drafted position if `per_token`) / a plain decode step's seconds."""
+    proposals = [k for k in spec.stats.k_chosen if k]
+    if not proposals:
+        return float("nan")
+    decode_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
+    per = sum(proposals) if per_token else len(proposals)
+    return spec.stats.time_draft_s / per / decode_s
 
 
 def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, k: int,
                     max_new_tokens: int, repeats: int) -> dict:
-    runs = speed_runs(policy, draft, prompts, k, max_new_tokens)
-    outputs = {name: fn() for name, fn in runs.items()}  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            seconds, outputs[name] = timed(fn)
-            times[name].append(seconds)
+    times, outputs = interleaved(speed_runs(policy, draft, prompts, k, max_new_tokens), repeats)
     tokens = len(prompts) * max_new_tokens
     result = {"batch": len(prompts), "times_s": times,
               "tokens_per_s": {name: tokens / median(ts) for name, ts in times.items()},
-              "greedy_tokens_identical": outputs["ar_t0"].tokens == outputs["spec_t0"].tokens}
+              "greedy_tokens_identical": all(outputs[f"{v}_t0"].tokens == outputs["ar_t0"].tokens
+                                             for v in ("spec", "fixed"))}
     for t in EVAL_TEMPERATURES:
-        result[f"speedup_t{t:g}"] = median(times[f"ar_t{t:g}"]) / median(times[f"spec_t{t:g}"])
-        result[f"tau_t{t:g}"] = outputs[f"spec_t{t:g}"].stats.acceptance_length
-    log.info("batch %d: speedup %.2fx (t=0), %.2fx (t=1); tau %.2f, %.2f", len(prompts), result["speedup_t0"],
-             result["speedup_t1"], result["tau_t0"], result["tau_t1"])
+        for variant in ("spec", "fixed"):
+            run = outputs[f"{variant}_t{t:g}"]
+            result[f"{variant}_speedup_t{t:g}"] = median(times[f"ar_t{t:g}"]) / median(times[f"{variant}_t{t:g}"])
+            result[f"{variant}_tau_t{t:g}"] = run.stats.acceptance_length
+        result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
+        result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
+                                                             per_token=draft.family == "eagle3")
+    log.info("batch %d: adaptive speedup %.2fx (t=0), %.2fx (t=1); fixed k %.2fx, %.2fx", len(prompts),
+             result["spec_speedup_t0"], result["spec_speedup_t1"], result["fixed_speedup_t0"],
+             result["fixed_speedup_t1"])
     return result
 
 
@@ -114,12 +133,14 @@ def tables(payload: dict) -> str:
     text = markdown_table(["temperature", "k", "tau", "acceptance per position"], rows)
     text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out arithmetic prompts, " \
             f"{payload['max_new_tokens']} new tokens at most.\n\n"
-    rows = [[r["batch"], r["tokens_per_s"]["ar_t0"], r["tokens_per_s"]["spec_t0"], r["speedup_t0"], r["tau_t0"],
-             r["tokens_per_s"]["ar_t1"], r["tokens_per_s"]["spec_t1"], r["speedup_t1"], r["tau_t1"],
-             r["greedy_tokens_identical"]] for r in payload["speedup"]]
-    text += markdown_table(["batch", "AR tok/s (t=0)", "spec tok/s (t=0)", "speedup (t=0)", "tau (t=0)",
-                            "AR tok/s (t=1)", "spec tok/s (t=1)", "speedup (t=1)", "tau (t=1)",
+    unit = "token" if payload["family"] == "eagle3" else "block"
+    rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],
+             r[f"spec_speedup_t{t:g}"], r[f"spec_tau_t{t:g}"], str(r[f"spec_k_histogram_t{t:g}"]),
+             r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"], r[f"draft_cost_share_t{t:g}"],
+             r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
+    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "adaptive tau",
+                            "adaptive k used", f"k={k} speedup", f"k={k} tau", f"draft cost / decode step (per {unit})",
                             "greedy tokens identical"], rows)
-    text += f"\nk = {k} fixed, {payload['max_new_tokens']} new tokens per row (stop tokens off), medians of " \
-            f"{payload['repeats']} interleaved repeats.\n"
+    text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row (stop " \
+            f"tokens off), medians of {payload['repeats']} interleaved repeats.\n"
     return text

@@ -44,6 +44,18 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, list[float]], dict]:
+    """One warm-up call of each run, then `repeats` rounds calling each once in turn (so a slow spell of this
+    shared machine hits every run alike) -> seconds per run per round, and each run's last output."""
+    outputs = {name: fn() for name, fn in runs.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            seconds, outputs[name] = timed(fn)
+            times[name].append(seconds)
+    return times, outputs
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -3,12 +3,16 @@
 Per batch size, interleaved repeats (medians reported) of:
   codraft plain decoding          vs  transformers greedy generate
   codraft n-gram speculative (fixed k, and adaptive k)
+  codraft with an untrained EAGLE-3 draft and adaptive k (a fresh controller every call, so what it costs
+  to find out that the draft is useless is in the time; goal: at most 1.05x plain decoding)
   transformers assisted generation with the same drafter (prompt lookup; batch 1 only,
   transformers does not batch it)
 All runs are greedy with stop tokens off, so every system produces the same number of tokens
 and codraft's outputs can be checked against transformers'. (transformers is told to stop on no
 token, eos_token_id=-1, rather than given min_new_tokens, which would mask EOS and change the text.)
 Decode time per step is set against the memory-bandwidth floor: (bytes of weights + KV cache read per step) / bandwidth.
+Verify cost: a forward of t tokens per row over the cache, relative to a 1-token decode step at the same batch,
+with the oneDNN-packed weights the engine uses and with plain F.linear (models/linear.py), interleaved.
 """
 
 from __future__ import annotations
@@ -19,10 +23,15 @@ from collections import Counter
 
 import torch
 
-from codraft.bench.report import machine, markdown_table, median, read_bandwidth_gbs, timed, write_results
+from codraft.bench.report import interleaved, machine, markdown_table, median, read_bandwidth_gbs, write_results
+from codraft.config import DraftConfig
+from codraft.drafts import build_draft
 from codraft.models import Tokenizer, Transformer
+from codraft.models.linear import pack_linears, unpack_linears
 from codraft.rollout import SpeculationController, generate
 from codraft.rollout.drafters import NgramDrafter
+
+VERIFY_TOKENS = (2, 4, 8)
 
 log = logging.getLogger(__name__)
 
@@ -57,47 +66,62 @@ def _hf_generate(hf, prompts: list[list[int]], pad_id: int, n: int, **kwargs) ->
     return out[:, width:].tolist()
 
 
+@torch.no_grad()
+def verify_cost_ratios(model: Transformer, batch: int, context: int, repeats: int) -> dict[str, dict[int, float]]:
+    """Seconds of a t-token forward per row over a `context`-long cache / a 1-token one, packed and plain."""
+    cache = model.new_cache(batch, context + max(VERIFY_TOKENS))
+    cache.lengths.fill_(context)
+
+    def forward(t: int, packed: bool):
+        def run():
+            (pack_linears if packed else unpack_linears)(model)
+            return model(torch.zeros(batch, t, dtype=torch.long), cache=cache)
+        return run
+
+    shapes = [(t, packed) for packed in (True, False) for t in (1, *VERIFY_TOKENS)]
+    times, _ = interleaved({f"{t}:{packed}": forward(t, packed) for t, packed in shapes}, 3 * repeats)
+    pack_linears(model)
+    return {("packed" if packed else "plain"): {t: median(times[f"{t}:{packed}"]) / median(times[f"1:{packed}"])
+                                                for t in VERIFY_TOKENS} for packed in (True, False)}
+
+
 def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_sizes: list[int], max_new_tokens: int,
                       repeats: int, k: int, out_dir: str) -> dict:
     bandwidth = read_bandwidth_gbs()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     args = model.args
     pad_id = tokenizer.eos_token_ids[0]
-    rows, results = [], []
+    untrained = build_draft(DraftConfig(family="eagle3"), model, tokenizer).eval()
+    plain = dict(temperature=0, max_new_tokens=max_new_tokens, stop_token_ids=[])
+    rows, cost_rows, results = [], [], []
     for batch in batch_sizes:
         prompts = bench_prompts(tokenizer, batch)
         controller = SpeculationController(k)  # kept across repeats, as the trainer keeps it across steps
         runs = {
-            "codraft_ar": lambda p=prompts: generate(model, p, temperature=0, max_new_tokens=max_new_tokens,
-                                                     stop_token_ids=[]),
+            "codraft_ar": lambda p=prompts: generate(model, p, **plain),
             "hf_generate": lambda p=prompts: _hf_generate(hf, p, pad_id, max_new_tokens),
             "codraft_ngram": lambda p=prompts: generate(model, p, drafter=NgramDrafter(), num_speculative_tokens=k,
-                                                        temperature=0, max_new_tokens=max_new_tokens,
-                                                        stop_token_ids=[]),
+                                                        **plain),
             "codraft_ngram_adaptive": lambda p=prompts, c=controller: generate(
-                model, p, drafter=NgramDrafter(), num_speculative_tokens=k, temperature=0,
-                max_new_tokens=max_new_tokens, stop_token_ids=[], adaptive=c),
+                model, p, drafter=NgramDrafter(), num_speculative_tokens=k, adaptive=c, **plain),
+            "codraft_untrained_eagle3_adaptive": lambda p=prompts: generate(
+                model, p, drafter=untrained.drafter(), num_speculative_tokens=k, adaptive=True, **plain),
         }
         if batch == 1:
             runs["hf_assisted_prompt_lookup"] = lambda p=prompts: _hf_generate(
                 hf, p, pad_id, max_new_tokens, prompt_lookup_num_tokens=k)
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        outputs: dict[str, object] = {}
-        for name, fn in runs.items():  # warm-up, also fills the adaptive controller's cost model
-            outputs[name] = fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                seconds, outputs[name] = timed(fn)
-                times[name].append(seconds)
+        times, outputs = interleaved(runs, repeats)
         tokens = batch * max_new_tokens
         tps = {name: tokens / median(ts) for name, ts in times.items()}
         ar, spec, adaptive = outputs["codraft_ar"], outputs["codraft_ngram"], outputs["codraft_ngram_adaptive"]
+        untrained_out = outputs["codraft_untrained_eagle3_adaptive"]
         same_as_hf = ar.tokens == outputs["hf_generate"]
-        spec_same_as_ar = spec.tokens == ar.tokens and adaptive.tokens == ar.tokens
+        spec_same_as_ar = all(o.tokens == ar.tokens for o in (spec, adaptive, untrained_out))
         step_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
         mean_ctx = sum(map(len, prompts)) / batch + max_new_tokens / 2
         kv_bytes = 2 * args.num_layers * batch * args.num_kv_heads * mean_ctx * args.head_dim * 4
         floor_s = (weight_bytes + kv_bytes) / (bandwidth * 1e9)
+        ratios = verify_cost_ratios(model, batch, int(mean_ctx), repeats)
         result = {
             "batch": batch,
             "tokens_per_s": tps,
@@ -105,17 +129,20 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
             "ratio_ar_vs_hf": tps["codraft_ar"] / tps["hf_generate"],
             "ratio_ngram_vs_ar": tps["codraft_ngram"] / tps["codraft_ar"],
             "ratio_adaptive_vs_ar": tps["codraft_ngram_adaptive"] / tps["codraft_ar"],
+            "time_untrained_eagle3_adaptive_vs_ar": median(times["codraft_untrained_eagle3_adaptive"])
+            / median(times["codraft_ar"]),
+            "untrained_eagle3_k_histogram": dict(sorted(Counter(untrained_out.stats.k_chosen).items())),
             "ratio_hf_assisted_vs_hf": (tps["hf_assisted_prompt_lookup"] / tps["hf_generate"]
                                         if "hf_assisted_prompt_lookup" in tps else None),
             "tau_ngram": spec.stats.acceptance_length,
             "accept_rate_per_position_ngram": spec.stats.accept_rate_per_position,
             "tau_adaptive": adaptive.stats.acceptance_length,
             "adaptive_k_histogram": dict(sorted(Counter(adaptive.stats.k_chosen).items())),
-            "adaptive_predicted_speedup_last": controller.last_predicted_speedup,
             "adaptive_acceptance_estimates": controller.accept,
             "decode_step_ms": 1000 * step_s,
             "bandwidth_floor_step_ms": 1000 * floor_s,
-            "fraction_of_bandwidth_floor": floor_s / step_s,
+            "step_vs_bandwidth_floor": step_s / floor_s,
+            "verify_cost_ratio": ratios,
             "ar_identical_to_transformers": same_as_hf,
             "speculative_identical_to_ar": spec_same_as_ar,
         }
@@ -124,14 +151,21 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
                                           if k_ not in ("times_s", "tokens_per_s")})
         rows.append([batch, tps["codraft_ar"], tps["hf_generate"], result["ratio_ar_vs_hf"], tps["codraft_ngram"],
                      result["tau_ngram"], tps["codraft_ngram_adaptive"], result["ratio_adaptive_vs_ar"],
-                     str(result["adaptive_k_histogram"]), tps.get("hf_assisted_prompt_lookup", float("nan")),
-                     result["decode_step_ms"], result["bandwidth_floor_step_ms"], same_as_hf, spec_same_as_ar])
+                     str(result["adaptive_k_histogram"]), result["time_untrained_eagle3_adaptive_vs_ar"],
+                     tps.get("hf_assisted_prompt_lookup", float("nan")), result["decode_step_ms"],
+                     result["bandwidth_floor_step_ms"], result["step_vs_bandwidth_floor"], same_as_hf,
+                     spec_same_as_ar])
+        cost_rows.append([batch, *(f"{ratios['plain'][t]:.2f} / {ratios['packed'][t]:.2f}" for t in VERIFY_TOKENS)])
     header = ["batch", "codraft AR tok/s", "HF generate tok/s", "AR / HF", "codraft n-gram tok/s", "tau n-gram",
-              "codraft adaptive tok/s", "adaptive / AR", "adaptive k used", "HF assisted tok/s",
-              "decode ms/step", "bandwidth floor ms/step", "AR tokens = HF", "spec tokens = AR"]
+              "codraft adaptive tok/s", "adaptive / AR", "adaptive k used", "untrained EAGLE-3 adaptive time / AR",
+              "HF assisted tok/s", "decode ms/step", "bandwidth floor ms/step", "step / floor", "AR tokens = HF",
+              "spec tokens = AR"]
     table = markdown_table(header, rows)
     table += (f"\nk = {k}, {max_new_tokens} new tokens per row, greedy, medians of {repeats} interleaved repeats; "
-              f"read bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB.\n")
+              f"read bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB.\n\n")
+    table += markdown_table(["batch", *(f"{t} tokens / decode (plain / packed)" for t in VERIFY_TOKENS)], cost_rows)
+    table += "\nTarget forward of t tokens per row over the cache relative to a 1-token decode step at the same " \
+             "batch, plain F.linear against the oneDNN-packed weights the engine uses; interleaved, medians.\n"
     payload = {"machine": machine(), "bandwidth_gbs": bandwidth, "k": k, "max_new_tokens": max_new_tokens,
                "repeats": repeats, "results": results}
     write_results(out_dir, "rollout", payload, table)

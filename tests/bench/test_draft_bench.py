@@ -19,7 +19,8 @@ def test_bench_draft_trains_a_draft_and_writes_acceptance_and_speedup(tmp_path, 
     assert result["k"] == 7 and result["training"]["steps"] == 2
     assert 1 <= result["acceptance"]["temperature_0"]["tau"] <= 8
     assert [r["batch"] for r in result["speedup"]] == [1, 2]
-    assert all(r["greedy_tokens_identical"] and r["speedup_t0"] > 0 for r in result["speedup"])
+    assert all(r["greedy_tokens_identical"] and r["spec_speedup_t0"] > 0 and r["fixed_speedup_t1"] > 0
+               for r in result["speedup"])
     assert "| batch |" in (tmp_path / f"draft_{family}.md").read_text()
 
 
