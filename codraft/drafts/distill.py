@@ -48,7 +48,7 @@ def generate_responses(policy: Transformer, prompts: list[list[int]], dt: DraftT
                        seed: int) -> list[list[int]]:
     """One response per prompt from the policy itself, in batches of `generate_batch_size`."""
     start, out = time.perf_counter(), []
-    for i in range(0, len(prompts), dt.generate_batch_size):
+    for i in progress(range(0, len(prompts), dt.generate_batch_size), desc="policy responses"):
         rollout = generate(policy, prompts[i : i + dt.generate_batch_size], temperature=dt.temperature,
                            max_new_tokens=dt.max_new_tokens, seed=seed * 1_000_003 + i)
         out += rollout.tokens

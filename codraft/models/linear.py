@@ -7,10 +7,11 @@ into its blocked layout reads the weight once at any small row count (measured
 on SmolLM2-135M's 211 matmuls: 1 row 45 -> 25 ms, 4 rows 61 -> 28 ms, 32 rows
 108 -> 55 ms), and its rows do not depend on how many rows share the call.
 
-`pack_linears(module)` makes the copies (one per Linear, `weight._version` recorded);
-a Linear uses its copy only while autograd is off and the weight is unchanged,
-so training forwards and gradients never see it, and an optimizer step (in
-place, so it bumps the version) makes the copy stale until the next pack.
+`pack_linears(module)` makes the copies (one per Linear, the weight's version and
+address recorded); a Linear uses its copy only while autograd is off and the
+weight is unchanged, so training forwards and gradients never see it, and an
+optimizer step (in place, so it bumps the version) or a `.to()` makes the copy
+stale until the next pack.
 Writes that bypass the version counter (`dist.broadcast` into `.data`) must
 call `unpack_linears` or `pack_linears(..., force=True)`.
 """
@@ -35,13 +36,21 @@ def packing_available() -> bool:
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) with an optional packed weight for inference."""
 
-    packed: tuple[int, torch.Tensor] | None = None  # (weight._version at packing, packed weight)
+    packed: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight's version and address, packed weight)
+
+    def _key(self) -> tuple[int, int]:
+        """Changes when the weight does: in-place updates bump the version, `.to()`/`.data =` move the storage."""
+        return self.weight._version, self.weight.data_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
-        if packed is not None and not torch.is_grad_enabled() and packed[0] == self.weight._version:
+        if packed is not None and not torch.is_grad_enabled() and packed[0] == self._key():
             return torch.ops.mkldnn._linear_pointwise(x, packed[1], self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed weight behind (oneDNN's layout has no storage to copy)."""
+        return {name: value for name, value in self.__dict__.items() if name != "packed"}
 
     def pack(self, force: bool = False) -> bool:
         """(Re)pack a stale or missing copy; False where this weight cannot be packed."""
@@ -49,9 +58,9 @@ class Linear(nn.Linear):
         if w.device.type != "cpu" or w.dtype not in _PACKABLE_DTYPES:
             self.packed = None
             return False
-        if force or self.packed is None or self.packed[0] != w._version:
+        if force or self.packed is None or self.packed[0] != self._key():
             with torch.no_grad():
-                self.packed = (w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                self.packed = (self._key(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
         return True
 
 

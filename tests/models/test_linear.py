@@ -1,5 +1,7 @@
 """The packed Linear: same outputs as F.linear outside autograd, never used for gradients or stale weights."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,3 +66,14 @@ def test_unpack_drops_every_copy():
     assert pack_linears(module) == 2
     unpack_linears(module)
     assert all(m.packed is None for m in module if isinstance(m, Linear))
+
+
+def test_a_packed_module_deep_copies_without_its_packed_weights():
+    """E.g. a frozen reference copy of the policy: it starts unpacked and packs on its own."""
+    module = torch.nn.Sequential(Linear(4, 4), Linear(4, 2))
+    pack_linears(module)
+    clone = copy.deepcopy(module)
+    assert all(m.packed is None for m in clone) and all(m.packed is not None for m in module)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x), module(x), rtol=1e-5, atol=1e-5)
