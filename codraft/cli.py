@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 from pathlib import Path
 
 from codraft.config import ConfigError, load_config
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             sub.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
         sub.add_argument("--config", metavar="FILE.yaml", help="YAML config, applied before the overrides")
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error (as run.log_level=debug)")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. generate.temperature=0.7")
     return parser
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help or a usage error, already printed by argparse
         return int(e.code or 0)
     module, function = COMMANDS[args.command][1].split(":")
+    cfg = None
     try:
         overrides = args.overrides + rest
         if args.command in POSITIONALS:
@@ -78,5 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(cfg.run.log_level)
         return getattr(importlib.import_module(module), function)(cfg) or 0
     except ConfigError as e:
-        print(f"codraft: error: {e}", file=sys.stderr)
-        return 2
+        return user_error(e, args.debug or (cfg is not None and cfg.run.log_level == "debug"))
+
+
+def user_error(e: ConfigError, debug: bool) -> int:
+    """One line on stderr, the traceback only when debugging; exit code 2."""
+    if debug:
+        traceback.print_exception(e)
+    print(f"codraft: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+    return 2

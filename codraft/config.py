@@ -46,7 +46,13 @@ class ModelConfig:
     device: str = "cpu"
 
     def validate(self) -> None:
-        if Path(self.path).expanduser().exists():
+        path = Path(self.path).expanduser()
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: '{self.path}' is a directory without config.json, not a Hugging Face "
+                              "checkpoint directory")
+        if path.is_file() and path.suffix != ".gguf":
+            raise ConfigError(f"model.path: '{self.path}' is a file but not a .gguf model")
+        if path.exists():
             return
         from codraft.models.presets import PRESETS  # lazy: the model package is heavy
 

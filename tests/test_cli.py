@@ -33,7 +33,8 @@ def commands(monkeypatch, tmp_path):
     )
     root, ours = logging.getLogger(), logging.getLogger("codraft")
     handlers, levels = root.handlers[:], (root.level, ours.level)
-    yield [f"model.path={tmp_path}"]  # an existing path: no preset lookup needed
+    (tmp_path / "config.json").write_text("{}")
+    yield [f"model.path={tmp_path}"]  # an existing checkpoint dir: no preset lookup needed
     root.handlers[:] = handlers  # main() calls setup_logging
     root.setLevel(levels[0])
     ours.setLevel(levels[1])

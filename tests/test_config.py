@@ -152,8 +152,18 @@ def test_missing_model_path_names_path_and_presets(presets):
 def test_existing_model_path_is_accepted(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")
+    (tmp_path / "config.json").write_text("{}")
     assert load_config(None, [f"model.path={gguf}"]).model.path == str(gguf)
     assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+
+
+def test_a_model_path_that_is_no_model_is_a_one_line_error(tmp_path):
+    assert error(overrides=[f"model.path={tmp_path}"]) == (
+        f"model.path: '{tmp_path}' is a directory without config.json, not a Hugging Face checkpoint directory"
+    )
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    assert error(overrides=[f"model.path={notes}"]) == f"model.path: '{notes}' is a file but not a .gguf model"
 
 
 @pytest.mark.parametrize(

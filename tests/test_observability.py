@@ -59,14 +59,14 @@ def test_progress_is_off_without_a_tty_unless_forced(capsys):
 
 def test_prepare_run_dir_resolves_dir_and_saves_config(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, [f"model.path={tmp_path}", "generate.top_k=7"])
+    cfg = load_config(None, ["model.path=tiny-llama", "generate.top_k=7"])
     run_dir = prepare_run_dir(cfg, "generate")
     assert re.fullmatch(r"runs/generate-\d{8}-\d{6}", str(run_dir)) and run_dir.is_dir()
     assert cfg.run.dir == str(run_dir)
     saved = load_config(run_dir / "config.yaml", [])
     assert saved == cfg and saved.generate.top_k == 7
 
-    again = load_config(None, [f"model.path={tmp_path}"])
+    again = load_config(None, ["model.path=tiny-llama"])
     monkeypatch.setattr("time.strftime", lambda fmt: run_dir.name.removeprefix("generate-"))
     assert prepare_run_dir(again, "generate") == run_dir.with_name(run_dir.name + "-1")
 

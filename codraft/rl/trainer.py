@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from codraft.commands.common import load_policy
+from codraft.commands.common import load_policy, read_draft
 from codraft.config import Config, ConfigError, config_to_dict
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import check_family, load_draft
+from codraft.drafts.export import check_family
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
 from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
@@ -43,7 +43,10 @@ RESUME_SECTIONS = ("model", "draft", "task", "rl", "optim")
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
     if t.kind == "jsonl":
-        return JsonlTask(t.path, seed=cfg.run.seed)
+        try:
+            return JsonlTask(t.path, seed=cfg.run.seed)
+        except ValueError as e:  # the row and field at fault
+            raise ConfigError(f"task.path {e}") from e
     return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)
 
 
@@ -58,7 +61,10 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
         self.policy, self.tokenizer = load_policy(cfg)
         self.task = build_task(cfg)
-        self.reward_fn = load_reward_fn(cfg.task.reward)
+        try:
+            self.reward_fn = load_reward_fn(cfg.task.reward)
+        except ValueError as e:
+            raise ConfigError(f"task.reward: {e}") from e
         self.draft = self._build_draft()
         self.sharding.apply(self.policy, self.draft)
         self._build_optimizers()
@@ -93,8 +99,8 @@ class Trainer:
         if cfg.draft.family == "none":
             return None
         if cfg.checkpoint.draft_init is not None:
-            return check_family(load_draft(cfg.checkpoint.draft_init, self.policy), "checkpoint.draft_init",
-                                "draft.family", cfg.draft.family)
+            return check_family(read_draft(cfg.checkpoint.draft_init, self.policy, "checkpoint.draft_init"),
+                                "checkpoint.draft_init", "draft.family", cfg.draft.family)
         corpus = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in build_task(cfg).sample(256)]
         return build_draft(cfg.draft, self.policy, self.tokenizer, corpus)
 
