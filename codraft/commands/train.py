@@ -24,8 +24,8 @@ def main(cfg: Config) -> int:
         return relaunch(cfg, "train", p.dp * p.pp * p.cp)
     pipelined = p.pp > 1  # parallel/pp_train.py: the update is a pipeline step over this rank's stage
     sharding = pipeline_sharding(cfg) if pipelined else sharding_for(cfg)
-    run_dir = sharding.prepare_run_dir(cfg)
-    trainer = (PipelineTrainer if pipelined else Trainer)(cfg, run_dir, sharding)
+    trainer = (PipelineTrainer if pipelined else Trainer)(cfg, None, sharding)  # loads and checks every input
+    run_dir = trainer.run_dir = sharding.prepare_run_dir(cfg)  # only now: a refused run leaves nothing on disk
     writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
     history: list[dict] = []
     with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if writer else nullcontext() as metrics:

@@ -138,7 +138,7 @@ class PipelineTrainer(Trainer):
 
     sharding: PipelineParallel
 
-    def __init__(self, cfg: Config, run_dir: Path, sharding: PipelineParallel):
+    def __init__(self, cfg: Config, run_dir: Path | None, sharding: PipelineParallel):
         dims = sharding.dims
         self.pp_rank, self.pp, self.group = dims.pp_rank, dims.pp, dims.pp_group
         self.is_last = self.pp_rank == self.pp - 1

@@ -25,13 +25,15 @@ from codraft.commands.common import load_policy, read_draft
 from codraft.config import Config, ConfigError, config_to_dict
 from codraft.drafts import DraftModel, build_draft
 from codraft.drafts.export import check_family
+from codraft.models import Tokenizer, Transformer
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
 from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
+from codraft.rl.prompts import PromptEncoder, prompt_corpus
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
-from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask, build_prompt_ids
+from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask
 from codraft.rollout import SpeculationController, generate
 
 log = logging.getLogger(__name__)
@@ -50,12 +52,21 @@ def build_task(cfg: Config) -> IndexedTask:
     return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)
 
 
+def prompt_encoder(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> PromptEncoder:
+    """Prompts leave room in the policy's context for what a rollout appends, as the engine counts it."""
+    rl = cfg.rl
+    speculative = rl.num_speculative_tokens if cfg.draft.family != "none" else 0
+    return PromptEncoder(tokenizer, cfg.task.chat_template, policy.args.max_position_embeddings,
+                         rl.max_new_tokens + speculative + 1)
+
+
 def warmup(steps: int):
     return lambda step: min(1.0, (step + 1) / steps) if steps else 1.0
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, sharding: Sharding | None = None):
+    def __init__(self, cfg: Config, run_dir: Path | None, sharding: Sharding | None = None):
+        """`run_dir`: where `save` writes; None until the command has made it, after every input is checked."""
         self.cfg, self.run_dir = cfg, run_dir
         self.sharding = sharding or sharding_for(cfg)
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
@@ -65,7 +76,8 @@ class Trainer:
             self.reward_fn = load_reward_fn(cfg.task.reward)
         except ValueError as e:
             raise ConfigError(f"task.reward: {e}") from e
-        self.draft = self._build_draft()
+        self.encode = prompt_encoder(cfg, self.policy, self.tokenizer)
+        self.draft = self._build_draft(prompt_corpus(self.task, self.encode, 256))  # every JSONL row checked first
         self.sharding.apply(self.policy, self.draft)
         self._build_optimizers()
         rl = cfg.rl
@@ -94,14 +106,13 @@ class Trainer:
             )
             self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(o.draft_warmup_steps))
 
-    def _build_draft(self) -> DraftModel | None:
+    def _build_draft(self, corpus: list[list[int]]) -> DraftModel | None:
         cfg = self.cfg
         if cfg.draft.family == "none":
             return None
         if cfg.checkpoint.draft_init is not None:
             return check_family(read_draft(cfg.checkpoint.draft_init, self.policy, "checkpoint.draft_init"),
                                 "checkpoint.draft_init", "draft.family", cfg.draft.family)
-        corpus = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in build_task(cfg).sample(256)]
         return build_draft(cfg.draft, self.policy, self.tokenizer, corpus)
 
     # --- one step ------------------------------------------------------------------------
@@ -111,7 +122,7 @@ class Trainer:
 
         # 1. data
         problems = self.task.sample(rl.prompts_per_step)
-        prompts = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in problems]
+        prompts = [self.encode(p) for p in problems]
         rows = [p for p in prompts for _ in range(rl.group_size)]
         row_problems = [p for p in problems for _ in range(rl.group_size)]
 
