@@ -124,3 +124,13 @@ def test_missing_tensorboard_warns_and_continues(tmp_path, monkeypatch, caplog):
         metrics.log(0, {"x": 1.0})
     assert "TensorBoard unavailable" in caplog.text
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 0, "x": 1.0}
+
+
+def test_a_resumed_run_drops_the_rows_after_its_checkpoint_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a": 3.0}\n{"step": 4, "a"')  # torn
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=2) as metrics:
+        metrics.log(3, {"a": 30.0})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 30.0}]
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -10,6 +10,7 @@ from codraft.observability import MetricsLogger, progress
 from codraft.parallel.cp_train import sharding_for
 from codraft.parallel.launch import launched, relaunch
 from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
+from codraft.rl.resume import resumable_checkpoint
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,8 @@ SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/
 def main(cfg: Config) -> int:
     p = cfg.parallel
     if (p.cp > 1 or p.pp > 1) and not launched():
+        if cfg.checkpoint.resume is not None:
+            resumable_checkpoint(cfg)  # refused here, before relaunch writes the run's config.yaml
         return relaunch(cfg, "train", p.dp * p.pp * p.cp)
     pipelined = p.pp > 1  # parallel/pp_train.py: the update is a pipeline step over this rank's stage
     sharding = pipeline_sharding(cfg) if pipelined else sharding_for(cfg)
@@ -28,7 +31,8 @@ def main(cfg: Config) -> int:
     run_dir = trainer.run_dir = sharding.prepare_run_dir(cfg)  # only now: a refused run leaves nothing on disk
     writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
     history: list[dict] = []
-    with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if writer else nullcontext() as metrics:
+    resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
+    with MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext() as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()

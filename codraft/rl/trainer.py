@@ -22,25 +22,22 @@ import torch
 from torch import nn
 
 from codraft.commands.common import load_policy, read_draft
-from codraft.config import Config, ConfigError, config_to_dict
+from codraft.config import Config, ConfigError
 from codraft.drafts import DraftModel, build_draft
 from codraft.drafts.export import check_family
 from codraft.models import Tokenizer, Transformer
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
-from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
+from codraft.rl.checkpoint import save_checkpoint
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
 from codraft.rl.prompts import PromptEncoder, prompt_corpus
+from codraft.rl.resume import load_resumable, resume_sections
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
 from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask
 from codraft.rollout import SpeculationController, generate
 
 log = logging.getLogger(__name__)
-
-# sections a resumed run must share with the run it continues (rl.steps may grow)
-RESUME_SECTIONS = ("model", "draft", "task", "rl", "optim")
-
 
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
@@ -90,7 +87,7 @@ class Trainer:
         self.step = 0
         self.skipped_draft_steps = 0
         if cfg.checkpoint.resume is not None:
-            self._resume(Path(cfg.checkpoint.resume))
+            self._resume()
 
     def _build_optimizers(self, policy: nn.Module | None = None, trains_draft: bool = True) -> None:
         """AdamW with warm-up for `policy` (the parameters this rank steps; default the whole policy) and, when
@@ -258,17 +255,11 @@ class Trainer:
         meta |= {
             "task": self.task.state_dict(),
             "skipped_draft_steps": self.skipped_draft_steps,
-            "config": {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS},
+            "config": resume_sections(self.cfg),
         }
         return save_checkpoint(
             self.run_dir, self.step, tensors=tensors, optimizers=optimizers, meta=meta, keep=self.cfg.checkpoint.keep
         )
-
-    def _check_checkpoint_layout(self, ckpt: dict) -> None:
-        """Optimizer states are per pipeline stage: a run resumes with the pp it was written with."""
-        if (pp := ckpt["meta"].get("pipeline", {}).get("pp")) is not None:
-            raise ConfigError(f"checkpoint.resume: {ckpt['path']} holds the optimizer states of a pipeline of "
-                              f"parallel.pp={pp}; resume it with parallel.pp={pp}")
 
     def _policy_optimizer_name(self) -> str:
         """The policy optimizer's file stem in a checkpoint."""
@@ -283,15 +274,9 @@ class Trainer:
                       "draft": self.draft_sched.state_dict() if self.draft_sched else None}
         return optimizers, {"schedulers": schedulers}
 
-    def _resume(self, run_dir: Path) -> None:
-        ckpt = load_checkpoint(run_dir)
+    def _resume(self) -> None:
+        ckpt = load_resumable(self.cfg)  # the newest complete checkpoint, refused before anything is loaded
         meta = ckpt["meta"]
-        now = {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS}
-        saved = meta["config"]
-        now["rl"] = now["rl"] | {"steps": saved["rl"]["steps"]}  # training may be extended
-        diff = [f"{s}.{k}" for s in RESUME_SECTIONS for k in saved.get(s, {}) if saved[s][k] != now[s].get(k)]
-        if diff:
-            raise ConfigError(f"checkpoint.resume: {run_dir} was trained with a different config ({', '.join(diff)})")
         missing, unexpected = self.policy.load_state_dict(ckpt["tensors"]["policy"], strict=False)
         tied = {"lm_head.weight"} if self.policy.args.tie_word_embeddings else set()  # stored once, as the embedding
         if set(missing) - tied or unexpected:
@@ -308,7 +293,6 @@ class Trainer:
         log.info("resumed from %s at step %d", ckpt["path"], self.step)
 
     def _load_optimizer_states(self, ckpt: dict) -> None:
-        self._check_checkpoint_layout(ckpt)
         self.policy_opt.load_state_dict(ckpt["optimizers"][self._policy_optimizer_name()])
         self.policy_sched.load_state_dict(ckpt["meta"]["schedulers"]["policy"])
         if self.draft_opt is not None:
