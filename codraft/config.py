@@ -190,6 +190,8 @@ class RLConfig:
     draft_weight: float = 0.1  # lambda in L = L_RL + lambda * L_draft
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
+    max_dropped_share: float = 0.5  # a step "trains nothing" when more than this share of samples has no reward
+    max_dropped_steps: int = 3  # that many such steps in a row stop the run with the reward's error; 0 = never
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
@@ -205,6 +207,8 @@ class RLConfig:
         require(self.is_cap >= 1, "rl.is_cap", ">= 1", self.is_cap)
         require(self.draft_weight >= 0, "rl.draft_weight", ">= 0", self.draft_weight)
         require(self.num_speculative_tokens >= 0, "rl.num_speculative_tokens", ">= 0", self.num_speculative_tokens)
+        require(0 <= self.max_dropped_share <= 1, "rl.max_dropped_share", "in [0, 1]", self.max_dropped_share)
+        require(self.max_dropped_steps >= 0, "rl.max_dropped_steps", ">= 0 (0 = never stop)", self.max_dropped_steps)
 
 
 @dataclass

@@ -176,6 +176,8 @@ def test_a_model_path_that_is_no_model_is_a_one_line_error(tmp_path):
         ("generate.num_speculative_tokens=-1", "generate.num_speculative_tokens"),
         ("generate.max_new_tokens=0", "generate.max_new_tokens"),
         ("parallel.cp=0", "parallel.cp"),
+        ("rl.max_dropped_share=1.5", "rl.max_dropped_share"),
+        ("rl.max_dropped_steps=-1", "rl.max_dropped_steps"),
     ],
 )
 def test_range_checks_name_the_key(presets, override, key):

@@ -9,8 +9,10 @@ from typing import Any
 from codraft.config import Config, ConfigError, config_to_dict
 from codraft.rl.checkpoint import META, latest_checkpoint, load_checkpoint
 
-# sections a resumed run must share with the run it continues (rl.steps may grow)
+# sections a resumed run must share with the run it continues, but for the keys that may change: the step
+# budget, and when to give up on a broken reward function
 RESUME_SECTIONS = ("model", "draft", "task", "rl", "optim")
+MAY_CHANGE = ("rl.steps", "rl.max_dropped_share", "rl.max_dropped_steps")
 
 
 def resume_sections(cfg: Config) -> dict[str, Any]:
@@ -21,8 +23,8 @@ def resume_sections(cfg: Config) -> dict[str, Any]:
 def check_resumable(cfg: Config, meta: dict[str, Any], path: Path) -> None:
     """ConfigError unless `cfg` may continue the checkpoint at `path`, whose meta.json is `meta`."""
     saved, now = meta["config"], resume_sections(cfg)
-    now["rl"] = now["rl"] | {"steps": saved["rl"]["steps"]}  # training may be extended
-    diff = [f"{s}.{k}" for s in RESUME_SECTIONS for k in saved.get(s, {}) if saved[s][k] != now[s].get(k)]
+    diff = [key for s in RESUME_SECTIONS for k in saved.get(s, {})
+            if (key := f"{s}.{k}") not in MAY_CHANGE and saved[s][k] != now[s].get(k)]
     if diff:
         raise ConfigError(f"checkpoint.resume: {path} was trained with a different config ({', '.join(diff)})")
     pp = meta.get("pipeline", {}).get("pp", 1)  # optimizer states are per pipeline stage

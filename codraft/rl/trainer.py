@@ -32,6 +32,7 @@ from codraft.rl.checkpoint import save_checkpoint
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
 from codraft.rl.prompts import PromptEncoder, prompt_corpus
 from codraft.rl.resume import load_resumable, resume_sections
+from codraft.rl.reward_guard import RewardGuard
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
 from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask
@@ -73,6 +74,7 @@ class Trainer:
             self.reward_fn = load_reward_fn(cfg.task.reward)
         except ValueError as e:
             raise ConfigError(f"task.reward: {e}") from e
+        self.reward_guard = RewardGuard(cfg.task.reward, cfg.rl)
         self.encode = prompt_encoder(cfg, self.policy, self.tokenizer)
         self.draft = self._build_draft(prompt_corpus(self.task, self.encode, 256))  # every JSONL row checked first
         self.sharding.apply(self.policy, self.draft)
@@ -142,7 +144,10 @@ class Trainer:
 
         # 3. rewards -> group-normalised advantages
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.tokens]
-        rewards, dropped = score(texts, row_problems, self.reward_fn)
+        errors: list[str] = []
+        rewards, dropped = score(texts, row_problems, self.reward_fn, errors)
+        if not self.sharding.all_agree(not self.reward_guard.exceeded(dropped, len(rows), errors)):
+            raise self.reward_guard.failure()  # before an update that would train on nothing
         reward_t = rewards_tensor(rewards)
         advantages = group_advantages(reward_t, rl.group_size, scale_by_std=rl.scale_by_std)
         keep = torch.ones(len(rows), dtype=torch.bool)
