@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(importlib.import_module(module), function)(cfg) or 0
     except ConfigError as e:
         return user_error(e, args.debug or (cfg is not None and cfg.run.log_level == "debug"))
+    except KeyboardInterrupt as e:  # Ctrl-C outside a training loop, or a second signal inside one
+        if args.debug:
+            traceback.print_exception(e)
+        print("codraft: interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
 
 
 def user_error(e: ConfigError, debug: bool) -> int:

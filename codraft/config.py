@@ -232,7 +232,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = only at the end
+    every: int = 10  # steps between checkpoints (and one at the end, or on SIGINT/SIGTERM); 0 = only then
     keep: int = 2  # newest checkpoints kept
     resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
     draft_init: str | None = None  # an exported draft to start from (e.g. from `codraft draft-train`)

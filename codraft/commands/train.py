@@ -6,6 +6,7 @@ import logging
 from contextlib import nullcontext
 
 from codraft.config import Config
+from codraft.interrupt import StopOnSignal
 from codraft.observability import MetricsLogger, progress
 from codraft.parallel.cp_train import sharding_for
 from codraft.parallel.launch import launched, relaunch
@@ -32,7 +33,8 @@ def main(cfg: Config) -> int:
     writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
     history: list[dict] = []
     resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
-    with MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext() as metrics:
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
+    with StopOnSignal() as stop, logger as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
@@ -43,12 +45,16 @@ def main(cfg: Config) -> int:
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
             log.info("step %d/%d  %s", trainer.step, cfg.rl.steps, "  ".join(f"{k} {v:.3f}" for k, v in live.items()))
+            if sharding.anyone(stop.signum is not None):  # every rank stops after the same step
+                break
             every = cfg.checkpoint.every
             if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
                 trainer.save()  # collective under PP: every rank hands over its stage's optimizer state
-        trainer.save()
+        trainer.save()  # the last completed step, interrupted or not
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
-    return 0
+    if stop.signum is not None:
+        log.warning("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
+    return stop.exit_code
 
 
 def summary_table(history: list[dict]) -> str:

@@ -90,3 +90,7 @@ class Sharding:
     def all_agree(self, flag: bool) -> bool:
         """True when `flag` holds on every rank that trains on other samples (none here)."""
         return flag
+
+    def anyone(self, flag: bool) -> bool:
+        """True when `flag` holds on any rank of the run (collective over all of them)."""
+        return flag
