@@ -30,21 +30,33 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+def rank() -> int | None:
+    """This process's global rank under torchrun (or any env:// launch), None outside one."""
+    return int(os.environ["RANK"]) if "RANK" in os.environ else None
+
+
 def setup_logging(level: str = "info") -> None:
-    """Log codraft at ``level`` to stderr; other libraries stay at warning. Safe to call again."""
+    """Log codraft at ``level`` to stderr; other libraries stay at warning. Safe to call again.
+
+    Under torchrun the run speaks with one voice: rank 0 logs at ``level``, every other rank only its warnings
+    and errors, and every line names its rank."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:
         root.removeHandler(handler)
     handler = _TqdmHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    where = "" if rank() is None else f"[rank {rank()}] "
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
-    logging.getLogger("codraft").setLevel(level.upper())
+    ours = logging.getLevelName(level.upper())
+    logging.getLogger("codraft").setLevel(ours if not rank() else max(ours, logging.WARNING))
 
 
 def progress(iterable_or_total: Iterable[Any] | int, desc: str = "", *, force: bool = False, **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr, off when stderr is not a terminal (CI logs stay readable) unless ``force``."""
-    kwargs.update(desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not (force or sys.stderr.isatty()))
+    """A tqdm bar on stderr, off when stderr is not a terminal (CI logs stay readable) unless ``force``, and on
+    every torchrun rank but 0."""
+    shown = (force or sys.stderr.isatty()) and not rank()
+    kwargs.update(desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not shown)
     if isinstance(iterable_or_total, int):
         return tqdm(total=iterable_or_total, **kwargs)
     return tqdm(iterable_or_total, **kwargs)

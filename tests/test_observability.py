@@ -134,3 +134,19 @@ def test_a_resumed_run_drops_the_rows_after_its_checkpoint_step(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 30.0}]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_under_torchrun_only_rank_0_logs_info_and_shows_progress(restore_logging, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    setup_logging("info")
+    log = logging.getLogger("codraft.test")
+    log.info("step 1/2")
+    log.warning("a rank's own trouble")
+    assert re.fullmatch(r"\d\d:\d\d:\d\d WARNING \[rank 1\] codraft\.test: a rank's own trouble\n",
+                        capsys.readouterr().err)
+    assert progress(3, "train", force=True).disable
+    monkeypatch.setenv("RANK", "0")
+    setup_logging("info")
+    log.info("step 1/2")
+    assert capsys.readouterr().err.endswith("INFO [rank 0] codraft.test: step 1/2\n")
+    assert not progress(3, "train", force=True).disable

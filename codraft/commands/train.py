@@ -53,7 +53,7 @@ def main(cfg: Config) -> int:
         trainer.save()  # the last completed step, interrupted or not
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
     if stop.signum is not None:
-        log.warning("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
+        log.info("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
     return stop.exit_code
 
 
