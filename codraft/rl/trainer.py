@@ -40,6 +40,7 @@ from codraft.rollout import SpeculationController, generate
 
 log = logging.getLogger(__name__)
 
+
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
     if t.kind == "jsonl":
