@@ -1,8 +1,15 @@
+import logging
+
 import pytest
 import torch
 
 import codraft.rl.checkpoint as checkpoint
 from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
+
+
+def warnings(caplog) -> list:
+    """The warnings logged (an earlier test may have left codraft logging at info)."""
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def save(run_dir, step, value, keep=2):
@@ -46,7 +53,7 @@ def test_a_truncated_newest_checkpoint_falls_back_with_one_warning(tmp_path, cap
     with caplog.at_level("WARNING", logger="codraft.rl.checkpoint"):
         ckpt = load_checkpoint(tmp_path)
     assert ckpt["meta"]["step"] == 1 and torch.equal(ckpt["tensors"]["policy"]["w"], torch.ones(3))
-    (warning,) = caplog.records
+    (warning,) = warnings(caplog)
     assert f"step_000002 (policy.safetensors has {size // 2} of its {size} bytes)" in warning.getMessage()
 
 
@@ -56,7 +63,7 @@ def test_a_checkpoint_damaged_in_place_falls_back_naming_the_error(tmp_path, cap
     newest.write_bytes(b"\xff" * newest.stat().st_size)  # the right size, garbage inside
     with caplog.at_level("WARNING", logger="codraft.rl.checkpoint"):
         assert load_checkpoint(tmp_path)["meta"]["step"] == 1
-    (warning,) = caplog.records
+    (warning,) = warnings(caplog)
     assert "step_000002 (SafetensorError: " in warning.getMessage()
 
 
@@ -65,7 +72,7 @@ def test_a_missing_latest_pointer_is_a_warning_not_an_error(tmp_path, caplog):
     (tmp_path / "checkpoints" / "latest").unlink()
     with caplog.at_level("WARNING", logger="codraft.rl.checkpoint"):
         assert load_checkpoint(tmp_path)["meta"]["step"] == 1
-    (warning,) = caplog.records
+    (warning,) = warnings(caplog)
     assert "skipped no 'latest' pointer" in warning.getMessage()
 
 
