@@ -46,7 +46,13 @@ class ModelConfig:
     device: str = "cpu"
 
     def validate(self) -> None:
-        if Path(self.path).expanduser().exists():
+        path = Path(self.path).expanduser()
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: '{self.path}' is a directory without config.json, not a Hugging Face "
+                              "checkpoint directory")
+        if path.is_file() and path.suffix != ".gguf":
+            raise ConfigError(f"model.path: '{self.path}' is a file but not a .gguf model")
+        if path.exists():
             return
         from codraft.models.presets import PRESETS  # lazy: the model package is heavy
 
@@ -184,6 +190,8 @@ class RLConfig:
     draft_weight: float = 0.1  # lambda in L = L_RL + lambda * L_draft
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
+    max_dropped_share: float = 0.5  # a step "trains nothing" when more than this share of samples has no reward
+    max_dropped_steps: int = 3  # that many such steps in a row stop the run with the reward's error; 0 = never
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
@@ -199,6 +207,8 @@ class RLConfig:
         require(self.is_cap >= 1, "rl.is_cap", ">= 1", self.is_cap)
         require(self.draft_weight >= 0, "rl.draft_weight", ">= 0", self.draft_weight)
         require(self.num_speculative_tokens >= 0, "rl.num_speculative_tokens", ">= 0", self.num_speculative_tokens)
+        require(0 <= self.max_dropped_share <= 1, "rl.max_dropped_share", "in [0, 1]", self.max_dropped_share)
+        require(self.max_dropped_steps >= 0, "rl.max_dropped_steps", ">= 0 (0 = never stop)", self.max_dropped_steps)
 
 
 @dataclass
@@ -222,7 +232,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # steps between checkpoints; 0 = only at the end
+    every: int = 10  # steps between checkpoints (and one at the end, or on SIGINT/SIGTERM); 0 = only then
     keep: int = 2  # newest checkpoints kept
     resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
     draft_init: str | None = None  # an exported draft to start from (e.g. from `codraft draft-train`)

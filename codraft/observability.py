@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -29,21 +30,33 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+def rank() -> int | None:
+    """This process's global rank under torchrun (or any env:// launch), None outside one."""
+    return int(os.environ["RANK"]) if "RANK" in os.environ else None
+
+
 def setup_logging(level: str = "info") -> None:
-    """Log codraft at ``level`` to stderr; other libraries stay at warning. Safe to call again."""
+    """Log codraft at ``level`` to stderr; other libraries stay at warning. Safe to call again.
+
+    Under torchrun the run speaks with one voice: rank 0 logs at ``level``, every other rank only its warnings
+    and errors, and every line names its rank."""
     root = logging.getLogger()
     for handler in [h for h in root.handlers if isinstance(h, _TqdmHandler)]:
         root.removeHandler(handler)
     handler = _TqdmHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    where = "" if rank() is None else f"[rank {rank()}] "
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s", "%H:%M:%S"))
     root.addHandler(handler)
     root.setLevel(logging.WARNING)
-    logging.getLogger("codraft").setLevel(level.upper())
+    ours = logging.getLevelName(level.upper())
+    logging.getLogger("codraft").setLevel(ours if not rank() else max(ours, logging.WARNING))
 
 
 def progress(iterable_or_total: Iterable[Any] | int, desc: str = "", *, force: bool = False, **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr, off when stderr is not a terminal (CI logs stay readable) unless ``force``."""
-    kwargs.update(desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not (force or sys.stderr.isatty()))
+    """A tqdm bar on stderr, off when stderr is not a terminal (CI logs stay readable) unless ``force``, and on
+    every torchrun rank but 0."""
+    shown = (force or sys.stderr.isatty()) and not rank()
+    kwargs.update(desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not shown)
     if isinstance(iterable_or_total, int):
         return tqdm(total=iterable_or_total, **kwargs)
     return tqdm(iterable_or_total, **kwargs)
@@ -67,14 +80,19 @@ def prepare_run_dir(cfg: Any, command: str) -> Path:
 class MetricsLogger:
     """One JSON object per step in ``<run_dir>/metrics.jsonl`` (``step`` first), mirrored to TensorBoard.
 
-    Non-finite values are written as null and counted in ``non_finite`` (warned once per name).
+    Non-finite values are written as null and counted in ``non_finite`` (warned once per name). A run that
+    resumes from the checkpoint of ``resume_step`` first drops the rows of later steps (written before an
+    interruption; replaced atomically), and TensorBoard purges their events: every step is logged once.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_step is not None:
+            _drop_rows_after(self.path, resume_step)
         self._file = self.path.open("a", encoding="utf-8")
         self.non_finite: Counter[str] = Counter()
-        self._writer = _open_tensorboard(Path(run_dir)) if tensorboard else None
+        purge = None if resume_step is None else resume_step + 1
+        self._writer = _open_tensorboard(Path(run_dir), purge) if tensorboard else None
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         assert "step" not in metrics, "pass the step as the step argument"
@@ -113,10 +131,34 @@ class MetricsLogger:
         self.close()
 
 
-def _open_tensorboard(run_dir: Path) -> Any:
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Rewrite the JSONL ``path`` without its rows after ``step`` (and a row torn by a kill mid-write)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row_step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            row_step = None
+        if isinstance(row_step, int) and row_step <= step:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        log.info("%s: dropped %d rows after step %d, the step this run resumes from", path, dropped, step)
+
+
+def _open_tensorboard(run_dir: Path, purge_step: int | None = None) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter  # lazy: pulls in torch and tensorboard
     except ImportError as e:
         log.warning("TensorBoard unavailable (%s); metrics go to metrics.jsonl only", e)
         return None
-    return SummaryWriter(log_dir=str(run_dir), flush_secs=10)
+    return SummaryWriter(log_dir=str(run_dir), flush_secs=10, purge_step=purge_step)

@@ -152,8 +152,18 @@ def test_missing_model_path_names_path_and_presets(presets):
 def test_existing_model_path_is_accepted(tmp_path):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"")
+    (tmp_path / "config.json").write_text("{}")
     assert load_config(None, [f"model.path={gguf}"]).model.path == str(gguf)
     assert load_config(None, [f"model.path={tmp_path}"]).model.path == str(tmp_path)
+
+
+def test_a_model_path_that_is_no_model_is_a_one_line_error(tmp_path):
+    assert error(overrides=[f"model.path={tmp_path}"]) == (
+        f"model.path: '{tmp_path}' is a directory without config.json, not a Hugging Face checkpoint directory"
+    )
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    assert error(overrides=[f"model.path={notes}"]) == f"model.path: '{notes}' is a file but not a .gguf model"
 
 
 @pytest.mark.parametrize(
@@ -166,6 +176,8 @@ def test_existing_model_path_is_accepted(tmp_path):
         ("generate.num_speculative_tokens=-1", "generate.num_speculative_tokens"),
         ("generate.max_new_tokens=0", "generate.max_new_tokens"),
         ("parallel.cp=0", "parallel.cp"),
+        ("rl.max_dropped_share=1.5", "rl.max_dropped_share"),
+        ("rl.max_dropped_steps=-1", "rl.max_dropped_steps"),
     ],
 )
 def test_range_checks_name_the_key(presets, override, key):

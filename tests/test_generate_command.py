@@ -25,3 +25,13 @@ def test_generate_command_rejects_a_bad_prompts_file(tmp_path, capsys):
     rc = main(["generate", "model.path=tiny-llama", f"run.dir={tmp_path / 'r'}", f"generate.prompts_file={bad}"])
     assert rc == 2
     assert "bad.jsonl:1: needs a non-empty string 'prompt'" in capsys.readouterr().err
+
+
+def test_generate_command_names_the_line_of_a_non_utf8_prompts_file(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "ok"}\n{"prompt": "\xff"}\n')
+    rc = main(["generate", "model.path=tiny-llama", f"run.dir={tmp_path / 'r'}", f"generate.prompts_file={bad}"])
+    assert rc == 2
+    err = capsys.readouterr().err  # the whole of it: no run dir was made, so not even its log line
+    assert err == f"codraft: error: generate.prompts_file {bad}:2: not valid UTF-8 (byte 0xff at column 13)\n"
+    assert not (tmp_path / "r").exists()

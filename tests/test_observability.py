@@ -59,14 +59,14 @@ def test_progress_is_off_without_a_tty_unless_forced(capsys):
 
 def test_prepare_run_dir_resolves_dir_and_saves_config(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    cfg = load_config(None, [f"model.path={tmp_path}", "generate.top_k=7"])
+    cfg = load_config(None, ["model.path=tiny-llama", "generate.top_k=7"])
     run_dir = prepare_run_dir(cfg, "generate")
     assert re.fullmatch(r"runs/generate-\d{8}-\d{6}", str(run_dir)) and run_dir.is_dir()
     assert cfg.run.dir == str(run_dir)
     saved = load_config(run_dir / "config.yaml", [])
     assert saved == cfg and saved.generate.top_k == 7
 
-    again = load_config(None, [f"model.path={tmp_path}"])
+    again = load_config(None, ["model.path=tiny-llama"])
     monkeypatch.setattr("time.strftime", lambda fmt: run_dir.name.removeprefix("generate-"))
     assert prepare_run_dir(again, "generate") == run_dir.with_name(run_dir.name + "-1")
 
@@ -124,3 +124,29 @@ def test_missing_tensorboard_warns_and_continues(tmp_path, monkeypatch, caplog):
         metrics.log(0, {"x": 1.0})
     assert "TensorBoard unavailable" in caplog.text
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 0, "x": 1.0}
+
+
+def test_a_resumed_run_drops_the_rows_after_its_checkpoint_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a": 3.0}\n{"step": 4, "a"')  # torn
+    with MetricsLogger(tmp_path, tensorboard=False, resume_step=2) as metrics:
+        metrics.log(3, {"a": 30.0})
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 30.0}]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_under_torchrun_only_rank_0_logs_info_and_shows_progress(restore_logging, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    setup_logging("info")
+    log = logging.getLogger("codraft.test")
+    log.info("step 1/2")
+    log.warning("a rank's own trouble")
+    assert re.fullmatch(r"\d\d:\d\d:\d\d WARNING \[rank 1\] codraft\.test: a rank's own trouble\n",
+                        capsys.readouterr().err)
+    assert progress(3, "train", force=True).disable
+    monkeypatch.setenv("RANK", "0")
+    setup_logging("info")
+    log.info("step 1/2")
+    assert capsys.readouterr().err.endswith("INFO [rank 0] codraft.test: step 1/2\n")
+    assert not progress(3, "train", force=True).disable

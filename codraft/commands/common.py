@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 
 from codraft.config import Config, ConfigError, GenerateConfig
+from codraft.jsonl import read_jsonl
 from codraft.models import Tokenizer, Transformer, load_model
 from codraft.rollout.drafter import Drafter
 from codraft.rollout.drafters import NgramDrafter
+
+if TYPE_CHECKING:
+    from codraft.drafts import DraftModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_policy(cfg: Config) -> tuple[Transformer, Tokenizer]:
-    model, tokenizer = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
+    """The policy of `model.*`; a checkpoint that cannot be read is a ConfigError naming model.path."""
+    try:
+        model, tokenizer = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
+    except (OSError, ValueError, SafetensorError) as e:  # missing files, refused pickles, bad configs, torn weights
+        raise ConfigError(f"model.path: {e}") from e
     return model.eval(), tokenizer
 
 
@@ -33,16 +41,14 @@ def read_prompts(gen: GenerateConfig) -> list[str]:
         return [gen.prompt]
     if gen.prompts_file is None:
         return ["What is 17 + 25? Answer with the number only."]
+    try:
+        rows = list(read_jsonl(gen.prompts_file))
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ConfigError(f"generate.prompts_file {e}") from e
     prompts = []
-    for line_no, line in enumerate(Path(gen.prompts_file).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"generate.prompts_file {gen.prompts_file}:{line_no}: invalid JSON ({e.msg})") from None
+    for where, row in rows:
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ConfigError(f"generate.prompts_file {gen.prompts_file}:{line_no}: needs a non-empty string 'prompt'")
+            raise ConfigError(f"generate.prompts_file {where}: needs a non-empty string 'prompt'")
         prompts.append(row["prompt"])
     if not prompts:
         raise ConfigError(f"generate.prompts_file {gen.prompts_file} holds no prompts")
@@ -54,7 +60,18 @@ def build_drafter(gen: GenerateConfig, policy: Transformer) -> Drafter | None:
         return None
     if gen.drafter == "ngram":
         return NgramDrafter()
-    from codraft.drafts.export import check_family, load_draft
+    from codraft.drafts.export import check_family
 
-    draft = check_family(load_draft(gen.draft_path, policy), "generate.draft_path", "generate.drafter", gen.drafter)
+    draft = check_family(read_draft(gen.draft_path, policy, "generate.draft_path"), "generate.draft_path",
+                         "generate.drafter", gen.drafter)
     return draft.drafter()
+
+
+def read_draft(path: str, policy: Transformer, key: str) -> DraftModel:
+    """The exported draft at `path` (the value of config key `key`); one that cannot be read is a ConfigError."""
+    from codraft.drafts.export import load_draft
+
+    try:
+        return load_draft(path, policy)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # missing files, bad config.json, torn weights
+        raise ConfigError(f"{key}: {e}") from e

@@ -24,9 +24,9 @@ def main(cfg: Config) -> int:
     if cfg.draft.family == "none":
         raise ConfigError("draft.family must be one of eagle3, dflash, dspark for draft-train (got 'none')")
     dt = cfg.draft_train
-    run_dir = prepare_run_dir(cfg, "draft-train")
     policy, tokenizer = load_policy(cfg)
     train_prompts, held_out = split_prompts(cfg, tokenizer, dt.held_out_prompts)
+    run_dir = prepare_run_dir(cfg, "draft-train")  # once every input is read: a refused run leaves nothing behind
     distiller = start_distillation(cfg, policy, tokenizer, train_prompts)
     draft = distiller.draft
     with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) as metrics:

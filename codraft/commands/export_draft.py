@@ -16,10 +16,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from codraft.commands.common import load_policy
+from codraft.commands.common import load_policy, read_draft
 from codraft.config import Config, ConfigError, load_config
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, is_draft_dir, load_draft
+from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, is_draft_dir
 from codraft.rl.checkpoint import latest_checkpoint
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,7 @@ def run_config(run_dir: Path) -> Config:
 
 def load_exported(path: Path, cfg: Config) -> DraftModel:
     policy, _ = load_policy(cfg)
-    try:
-        return load_draft(path, policy)
-    except ValueError as err:
-        raise ConfigError(f"export.source: {err}") from None
+    return read_draft(path, policy, "export.source")
 
 
 def load_train_run(run_dir: Path, run_cfg: Config) -> DraftModel:
@@ -79,7 +76,8 @@ def load_train_run(run_dir: Path, run_cfg: Config) -> DraftModel:
         raise ConfigError(f"export.source: checkpoint {path} holds no draft weights")
     policy, tokenizer = load_policy(run_cfg)
     init = run_cfg.checkpoint.draft_init
-    draft = load_draft(init, policy) if init is not None else build_draft(run_cfg.draft, policy, tokenizer)
+    draft = (read_draft(init, policy, "checkpoint.draft_init") if init is not None
+             else build_draft(run_cfg.draft, policy, tokenizer))
     draft.load_state_dict(load_file(str(path / "draft.safetensors")))
     log.info("draft of %s at step %d", run_dir, json.loads((path / "meta.json").read_text())["step"])
     return draft

@@ -15,11 +15,11 @@ log = logging.getLogger(__name__)
 
 def main(cfg: Config) -> int:
     gen = cfg.generate
-    run_dir = prepare_run_dir(cfg, "generate")
     model, tokenizer = load_policy(cfg)
     texts = read_prompts(gen)
     prompts = [encode_prompt(tokenizer, t, gen.chat_template) for t in texts]
     drafter = build_drafter(gen, model)
+    run_dir = prepare_run_dir(cfg, "generate")  # once every input is read: a refused run leaves nothing behind
     controller = SpeculationController(gen.num_speculative_tokens) if drafter and gen.adaptive else None
 
     out_path = run_dir / "generations.jsonl"

@@ -6,10 +6,12 @@ import logging
 from contextlib import nullcontext
 
 from codraft.config import Config
+from codraft.interrupt import StopOnSignal
 from codraft.observability import MetricsLogger, progress
 from codraft.parallel.cp_train import sharding_for
 from codraft.parallel.launch import launched, relaunch
 from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
+from codraft.rl.resume import resumable_checkpoint
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -21,14 +23,18 @@ SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/
 def main(cfg: Config) -> int:
     p = cfg.parallel
     if (p.cp > 1 or p.pp > 1) and not launched():
+        if cfg.checkpoint.resume is not None:
+            resumable_checkpoint(cfg)  # refused here, before relaunch writes the run's config.yaml
         return relaunch(cfg, "train", p.dp * p.pp * p.cp)
     pipelined = p.pp > 1  # parallel/pp_train.py: the update is a pipeline step over this rank's stage
     sharding = pipeline_sharding(cfg) if pipelined else sharding_for(cfg)
-    run_dir = sharding.prepare_run_dir(cfg)
-    trainer = (PipelineTrainer if pipelined else Trainer)(cfg, run_dir, sharding)
+    trainer = (PipelineTrainer if pipelined else Trainer)(cfg, None, sharding)  # loads and checks every input
+    run_dir = trainer.run_dir = sharding.prepare_run_dir(cfg)  # only now: a refused run leaves nothing on disk
     writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
     history: list[dict] = []
-    with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if writer else nullcontext() as metrics:
+    resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
+    with StopOnSignal() as stop, logger as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
@@ -39,12 +45,16 @@ def main(cfg: Config) -> int:
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
             log.info("step %d/%d  %s", trainer.step, cfg.rl.steps, "  ".join(f"{k} {v:.3f}" for k, v in live.items()))
+            if sharding.anyone(stop.signum is not None):  # every rank stops after the same step
+                break
             every = cfg.checkpoint.every
             if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
                 trainer.save()  # collective under PP: every rank hands over its stage's optimizer state
-        trainer.save()
+        trainer.save()  # the last completed step, interrupted or not
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
-    return 0
+    if stop.signum is not None:
+        log.info("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
+    return stop.exit_code
 
 
 def summary_table(history: list[dict]) -> str:

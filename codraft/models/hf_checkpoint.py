@@ -28,8 +28,11 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 def read_json(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # not UTF-8, not JSON
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
 
 
 def _eos_ids(value: int | list[int] | None) -> list[int]:
@@ -108,7 +111,10 @@ def read_hf_args(path: Path) -> ModelArgs:
         raise FileNotFoundError(f"{path} has no config.json; a Hugging Face checkpoint directory needs one")
     generation_path = path / "generation_config.json"
     generation = read_json(generation_path) if generation_path.is_file() else None
-    return model_args_from_config(read_json(config_path), generation)
+    try:
+        return model_args_from_config(read_json(config_path), generation)
+    except KeyError as e:
+        raise ValueError(f"{config_path} has no field {e}, which a decoder config needs") from e
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -42,6 +42,11 @@ class GroupSharding(Sharding):
         dist.broadcast_object_list(box, src=self.root if src is None else src, group=group or self.group)
         return box[0]
 
+    def anyone(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t)
+
     def prepare_run_dir(self, cfg) -> Path:
         """Rank 0 creates the run directory; the others take its path (run.dir may be a fresh timestamp)."""
         path = super().prepare_run_dir(cfg) if self.is_writer else None

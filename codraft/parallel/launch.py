@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 
+from codraft.interrupt import SIGNALS
 from codraft.observability import prepare_run_dir
 
 log = logging.getLogger(__name__)
@@ -35,4 +37,24 @@ def relaunch(cfg, command: str, nproc: int) -> int:
         "-m", "codraft", command, "--config", str(run_dir / "config.yaml"),
     ]  # fmt: skip
     log.info("launching %d processes: %s", nproc, " ".join(argv))
-    return subprocess.run(argv, check=False).returncode
+    # torchrun in a session of its own: a Ctrl-C in the terminal reaches it once, forwarded from here, and it
+    # hands it to the workers, which finish their step, checkpoint it and exit
+    with subprocess.Popen(argv, start_new_session=True) as proc:
+        return _wait_forwarding_signals(proc)
+
+
+def _wait_forwarding_signals(proc: subprocess.Popen) -> int:
+    """proc's exit code, or 128 + the first SIGINT/SIGTERM this process received (each forwarded to proc)."""
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 + received[0] if received else code

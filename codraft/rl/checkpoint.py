@@ -2,10 +2,13 @@
 
 A checkpoint is a directory `checkpoints/step_XXXXXX/` holding safetensors for
 tensors (policy, draft, RNG states) and `torch.save` files for optimizer states
-(loaded back with `weights_only=True`), plus `meta.json`. It is written under a
-temporary name, fsynced, and renamed into place; `checkpoints/latest` (itself
-replaced atomically) names the newest one. A directory without the rename, or a
-`latest` that points nowhere, is never read.
+(loaded back with `weights_only=True`), plus `meta.json`, which lists every file
+with its size. It is written under a temporary name, fsynced, and renamed into
+place; `checkpoints/latest` (itself replaced atomically) names the newest one.
+
+Reading takes the newest checkpoint that is complete (its files have the sizes
+meta.json lists) and loads; anything newer that is not (a truncated file, a
+missing `latest` pointer, an unfinished write) is skipped with one warning.
 """
 
 from __future__ import annotations
@@ -13,14 +16,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+META = "meta.json"
+# what reading a damaged checkpoint file raises (torch.load: truncated zip, bad pickle opcodes)
+UNREADABLE = (OSError, ValueError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError, SafetensorError)
 
 
 def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -50,15 +61,17 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, dict[str, to
     """tensors: file stem -> state dict; optimizers: name -> optimizer.state_dict()."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-step_*"):  # unfinished writes of an earlier, killed process
+        shutil.rmtree(stale)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp-step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     for stem, state in tensors.items():
         save_file(unique_tensors(state), str(tmp / f"{stem}.safetensors"))
     for name, state in optimizers.items():
         torch.save(state, tmp / f"{name}.optim.pt")
-    _write_json(tmp / "meta.json", meta | {"step": step})
+    files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+    _write_json(tmp / META, meta | {"step": step, "files": files})
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -72,24 +85,58 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict[str, dict[str, to
     return final
 
 
+def _incomplete(path: Path) -> str | None:
+    """Why the checkpoint directory `path` is not complete, or None when it is."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as e:
+        return f"{META}: {e}"
+    for name, size in meta.get("files", {}).items():  # checkpoints written before the listing: meta.json only
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have != size:
+            return f"{name} is missing" if have is None else f"{name} has {have} of its {size} bytes"
+    return None
+
+
+def _newest(run_dir: Path, read: Callable[[Path], T]) -> T:
+    """`read` of the newest checkpoint directory of a run that is complete and that `read` can read; one warning
+    names whatever newer was skipped; FileNotFoundError when none is left."""
+    root = Path(run_dir) / "checkpoints"
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    skipped = [] if latest else ["no 'latest' pointer"]
+    skipped += [f"{p.name} (an unfinished write)" for p in sorted(root.glob(".tmp-step_*"))]
+    for path in sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True):
+        reason = _incomplete(path)
+        if reason is None:
+            try:
+                value = read(path)
+            except UNREADABLE as e:  # damaged in place: the size is right, the content is not
+                reason = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+            else:
+                if skipped or latest != path.name:
+                    log.warning("using %s, the newest complete checkpoint; skipped %s", path,
+                                ", ".join(skipped) or f"the 'latest' pointer to {latest}")
+                return value
+        skipped.append(f"{path.name} ({reason})")
+    raise FileNotFoundError(f"{root} holds no complete checkpoint" + (f"; skipped {', '.join(skipped)}"
+                                                                        if skipped else ""))
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
     """The directory of the newest complete checkpoint of a run."""
-    root = Path(run_dir) / "checkpoints"
-    latest = root / "latest"
-    if not latest.is_file():
-        raise FileNotFoundError(f"{root} holds no complete checkpoint (no 'latest' pointer)")
-    path = root / latest.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"checkpoint {path} named by {latest} is missing or incomplete")
-    return path
+    return _newest(run_dir, lambda path: path)
 
 
 def load_checkpoint(run_dir: Path) -> dict[str, Any]:
-    """The newest complete checkpoint of a run: {"meta", "tensors": {stem: state}, "optimizers": {name: state}}."""
-    path = latest_checkpoint(run_dir)
+    """The newest checkpoint of a run that is complete and loads:
+    {"path", "meta", "tensors": {stem: state}, "optimizers": {name: state}}."""
+    return _newest(run_dir, _load)
+
+
+def _load(path: Path) -> dict[str, Any]:
     return {
         "path": path,
-        "meta": json.loads((path / "meta.json").read_text()),
+        "meta": json.loads((path / META).read_text()),
         "tensors": {f.name.removesuffix(".safetensors"): load_file(str(f)) for f in path.glob("*.safetensors")},
         "optimizers": {f.name.removesuffix(".optim.pt"): torch.load(f, weights_only=True)
                        for f in path.glob("*.optim.pt")},

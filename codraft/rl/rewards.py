@@ -128,24 +128,33 @@ def _as_reward(value: object) -> float | None:
     return None
 
 
-def score(completions: list[str], problems: list[Problem], fn: RewardFn) -> tuple[list[float | None], int]:
-    """Rewards per completion; None (and counted in `dropped`) where `fn` raised or gave a non-finite non-number."""
+def _reward_or_reason(fn: RewardFn, completion: str, problem: Problem) -> tuple[float | None, tuple[str, str] | None]:
+    """(reward, None), or (None, (kind, detail)) for a sample that must be dropped."""
+    try:
+        value = fn(completion, problem)
+    except Exception as e:  # a user's bug must not kill the run
+        return None, (f"raised {type(e).__name__}", f"raised {type(e).__name__}: {e}")
+    reward = _as_reward(value)
+    if reward is None:
+        kind = f"returned {type(value).__name__}"
+        return None, (kind, f"{kind} {value!r:.80}, not a number")
+    if not math.isfinite(reward):
+        return None, ("non-finite", f"returned a non-finite value ({reward})")
+    return reward, None
+
+
+def score(completions: list[str], problems: list[Problem], fn: RewardFn,
+          errors: list[str] | None = None) -> tuple[list[float | None], int]:
+    """Rewards per completion; None (and counted in `dropped`) where `fn` raised or gave a non-finite non-number.
+    `errors`, when given, receives why each dropped sample was dropped, in order."""
     if len(completions) != len(problems):
         raise ValueError(f"score() got {len(completions)} completions but {len(problems)} problems")
     rewards: list[float | None] = []
     for completion, problem in zip(completions, problems, strict=True):
-        try:
-            value = fn(completion, problem)
-        except Exception as e:  # a user's bug must not kill the run
-            _warn_once(fn, f"raised {type(e).__name__}", f"raised {type(e).__name__}: {e}")
-            rewards.append(None)
-            continue
-        reward = _as_reward(value)
-        if reward is None:
-            _warn_once(fn, f"returned {type(value).__name__}",
-                       f"returned {type(value).__name__} {value!r:.80}, not a number")
-        elif not math.isfinite(reward):
-            _warn_once(fn, "non-finite", f"returned a non-finite value ({reward})")
-            reward = None
+        reward, why = _reward_or_reason(fn, completion, problem)
+        if why is not None:
+            _warn_once(fn, *why)
+            if errors is not None:
+                errors.append(why[1])
         rewards.append(reward)
     return rewards, sum(r is None for r in rewards)

@@ -86,3 +86,11 @@ class Sharding:
 
     def reduce_gradients(self, modules: list[nn.Module]) -> None:
         """Make every rank's gradients those of the whole batch's loss (in place)."""
+
+    def all_agree(self, flag: bool) -> bool:
+        """True when `flag` holds on every rank that trains on other samples (none here)."""
+        return flag
+
+    def anyone(self, flag: bool) -> bool:
+        """True when `flag` holds on any rank of the run (collective over all of them)."""
+        return flag

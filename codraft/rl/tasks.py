@@ -8,13 +8,14 @@ and iteration advance. The trainer checkpoints that position with
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+
+from codraft.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ _OPERATORS = "+-*"
 class Problem:
     prompt: str  # the user message
     answer: str  # reference answer as text, e.g. "19"
+    source: str | None = field(default=None, compare=False)  # where it was read, e.g. "data.jsonl:3"
 
 
 class PromptTokenizer(Protocol):
@@ -135,30 +137,21 @@ def _evaluate(terms: list[int], ops: list[str]) -> int:
 
 def load_jsonl(path: str | Path) -> list[Problem]:
     """Problems from a JSONL file of `{"prompt": str, "answer": str | number}` rows (blank lines skipped)."""
-    path = Path(path)
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: a row must be a JSON object with 'prompt' and 'answer', "
-                                 f"got {type(row).__name__}")
-            for field in ("prompt", "answer"):
-                if field not in row:
-                    raise ValueError(f"{where}: missing field '{field}'")
-            prompt, answer = row["prompt"], row["answer"]
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
-            if isinstance(answer, bool) or not isinstance(answer, str | int | float):
-                raise ValueError(f"{where}: field 'answer' must be a string or a number, "
-                                 f"got {type(answer).__name__}")
-            problems.append(Problem(prompt, str(answer)))
+    for where, row in read_jsonl(path):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: a row must be a JSON object with 'prompt' and 'answer', "
+                             f"got {type(row).__name__}")
+        for name in ("prompt", "answer"):
+            if name not in row:
+                raise ValueError(f"{where}: missing field '{name}'")
+        prompt, answer = row["prompt"], row["answer"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r:.80}")
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+            raise ValueError(f"{where}: field 'answer' must be a string or a number, "
+                             f"got {type(answer).__name__}")
+        problems.append(Problem(prompt, str(answer), source=where))
     if not problems:
         raise ValueError(f"{path}: no problems (the file is empty); expected one JSON object per line "
                          'like {"prompt": "What is 2 + 3?", "answer": "5"}')

@@ -21,30 +21,42 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from codraft.commands.common import load_policy
-from codraft.config import Config, ConfigError, config_to_dict
+from codraft.commands.common import load_policy, read_draft
+from codraft.config import Config, ConfigError
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import check_family, load_draft
+from codraft.drafts.export import check_family
+from codraft.models import Tokenizer, Transformer
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
-from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
+from codraft.rl.checkpoint import save_checkpoint
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
+from codraft.rl.prompts import PromptEncoder, prompt_corpus
+from codraft.rl.resume import load_resumable, resume_sections
+from codraft.rl.reward_guard import RewardGuard
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
-from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask, build_prompt_ids
+from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask
 from codraft.rollout import SpeculationController, generate
 
 log = logging.getLogger(__name__)
-
-# sections a resumed run must share with the run it continues (rl.steps may grow)
-RESUME_SECTIONS = ("model", "draft", "task", "rl", "optim")
 
 
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
     if t.kind == "jsonl":
-        return JsonlTask(t.path, seed=cfg.run.seed)
+        try:
+            return JsonlTask(t.path, seed=cfg.run.seed)
+        except ValueError as e:  # the row and field at fault
+            raise ConfigError(f"task.path {e}") from e
     return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)
+
+
+def prompt_encoder(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> PromptEncoder:
+    """Prompts leave room in the policy's context for what a rollout appends, as the engine counts it."""
+    rl = cfg.rl
+    speculative = rl.num_speculative_tokens if cfg.draft.family != "none" else 0
+    return PromptEncoder(tokenizer, cfg.task.chat_template, policy.args.max_position_embeddings,
+                         rl.max_new_tokens + speculative + 1)
 
 
 def warmup(steps: int):
@@ -52,14 +64,20 @@ def warmup(steps: int):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, sharding: Sharding | None = None):
+    def __init__(self, cfg: Config, run_dir: Path | None, sharding: Sharding | None = None):
+        """`run_dir`: where `save` writes; None until the command has made it, after every input is checked."""
         self.cfg, self.run_dir = cfg, run_dir
         self.sharding = sharding or sharding_for(cfg)
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
         self.policy, self.tokenizer = load_policy(cfg)
         self.task = build_task(cfg)
-        self.reward_fn = load_reward_fn(cfg.task.reward)
-        self.draft = self._build_draft()
+        try:
+            self.reward_fn = load_reward_fn(cfg.task.reward)
+        except ValueError as e:
+            raise ConfigError(f"task.reward: {e}") from e
+        self.reward_guard = RewardGuard(cfg.task.reward, cfg.rl)
+        self.encode = prompt_encoder(cfg, self.policy, self.tokenizer)
+        self.draft = self._build_draft(prompt_corpus(self.task, self.encode, 256))  # every JSONL row checked first
         self.sharding.apply(self.policy, self.draft)
         self._build_optimizers()
         rl = cfg.rl
@@ -72,7 +90,7 @@ class Trainer:
         self.step = 0
         self.skipped_draft_steps = 0
         if cfg.checkpoint.resume is not None:
-            self._resume(Path(cfg.checkpoint.resume))
+            self._resume()
 
     def _build_optimizers(self, policy: nn.Module | None = None, trains_draft: bool = True) -> None:
         """AdamW with warm-up for `policy` (the parameters this rank steps; default the whole policy) and, when
@@ -88,14 +106,13 @@ class Trainer:
             )
             self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(o.draft_warmup_steps))
 
-    def _build_draft(self) -> DraftModel | None:
+    def _build_draft(self, corpus: list[list[int]]) -> DraftModel | None:
         cfg = self.cfg
         if cfg.draft.family == "none":
             return None
         if cfg.checkpoint.draft_init is not None:
-            return check_family(load_draft(cfg.checkpoint.draft_init, self.policy), "checkpoint.draft_init",
-                                "draft.family", cfg.draft.family)
-        corpus = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in build_task(cfg).sample(256)]
+            return check_family(read_draft(cfg.checkpoint.draft_init, self.policy, "checkpoint.draft_init"),
+                                "checkpoint.draft_init", "draft.family", cfg.draft.family)
         return build_draft(cfg.draft, self.policy, self.tokenizer, corpus)
 
     # --- one step ------------------------------------------------------------------------
@@ -105,7 +122,7 @@ class Trainer:
 
         # 1. data
         problems = self.task.sample(rl.prompts_per_step)
-        prompts = [build_prompt_ids(self.tokenizer, p, cfg.task.chat_template) for p in problems]
+        prompts = [self.encode(p) for p in problems]
         rows = [p for p in prompts for _ in range(rl.group_size)]
         row_problems = [p for p in problems for _ in range(rl.group_size)]
 
@@ -128,7 +145,10 @@ class Trainer:
 
         # 3. rewards -> group-normalised advantages
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.tokens]
-        rewards, dropped = score(texts, row_problems, self.reward_fn)
+        errors: list[str] = []
+        rewards, dropped = score(texts, row_problems, self.reward_fn, errors)
+        if not self.sharding.all_agree(not self.reward_guard.exceeded(dropped, len(rows), errors)):
+            raise self.reward_guard.failure()  # before an update that would train on nothing
         reward_t = rewards_tensor(rewards)
         advantages = group_advantages(reward_t, rl.group_size, scale_by_std=rl.scale_by_std)
         keep = torch.ones(len(rows), dtype=torch.bool)
@@ -240,17 +260,11 @@ class Trainer:
         meta |= {
             "task": self.task.state_dict(),
             "skipped_draft_steps": self.skipped_draft_steps,
-            "config": {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS},
+            "config": resume_sections(self.cfg),
         }
         return save_checkpoint(
             self.run_dir, self.step, tensors=tensors, optimizers=optimizers, meta=meta, keep=self.cfg.checkpoint.keep
         )
-
-    def _check_checkpoint_layout(self, ckpt: dict) -> None:
-        """Optimizer states are per pipeline stage: a run resumes with the pp it was written with."""
-        if (pp := ckpt["meta"].get("pipeline", {}).get("pp")) is not None:
-            raise ConfigError(f"checkpoint.resume: {ckpt['path']} holds the optimizer states of a pipeline of "
-                              f"parallel.pp={pp}; resume it with parallel.pp={pp}")
 
     def _policy_optimizer_name(self) -> str:
         """The policy optimizer's file stem in a checkpoint."""
@@ -265,15 +279,9 @@ class Trainer:
                       "draft": self.draft_sched.state_dict() if self.draft_sched else None}
         return optimizers, {"schedulers": schedulers}
 
-    def _resume(self, run_dir: Path) -> None:
-        ckpt = load_checkpoint(run_dir)
+    def _resume(self) -> None:
+        ckpt = load_resumable(self.cfg)  # the newest complete checkpoint, refused before anything is loaded
         meta = ckpt["meta"]
-        now = {k: v for k, v in config_to_dict(self.cfg).items() if k in RESUME_SECTIONS}
-        saved = meta["config"]
-        now["rl"] = now["rl"] | {"steps": saved["rl"]["steps"]}  # training may be extended
-        diff = [f"{s}.{k}" for s in RESUME_SECTIONS for k in saved.get(s, {}) if saved[s][k] != now[s].get(k)]
-        if diff:
-            raise ConfigError(f"checkpoint.resume: {run_dir} was trained with a different config ({', '.join(diff)})")
         missing, unexpected = self.policy.load_state_dict(ckpt["tensors"]["policy"], strict=False)
         tied = {"lm_head.weight"} if self.policy.args.tie_word_embeddings else set()  # stored once, as the embedding
         if set(missing) - tied or unexpected:
@@ -290,7 +298,6 @@ class Trainer:
         log.info("resumed from %s at step %d", ckpt["path"], self.step)
 
     def _load_optimizer_states(self, ckpt: dict) -> None:
-        self._check_checkpoint_layout(ckpt)
         self.policy_opt.load_state_dict(ckpt["optimizers"][self._policy_optimizer_name()])
         self.policy_sched.load_state_dict(ckpt["meta"]["schedulers"]["policy"])
         if self.draft_opt is not None:

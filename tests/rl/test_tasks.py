@@ -145,3 +145,10 @@ def test_build_prompt_ids_applies_chat_template_once():
     assert ids == tok.encode(text, add_special_tokens=False)
     assert ids[0] == 257 and tok.decode(ids) == text
     assert build_prompt_ids(tok, problem, chat_template=False) == tok.encode("What is 2 + 3?")
+
+
+def test_a_non_utf8_byte_names_file_line_and_column(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b'{"prompt": "ok", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:2: not valid UTF-8 \(byte 0xe9 at column 16\)"):
+        load_jsonl(path)

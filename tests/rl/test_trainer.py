@@ -1,5 +1,6 @@
 """The co-training step: the draft never moves the policy, resume is exact, every metric is written."""
 
+import itertools
 import json
 
 import pytest
@@ -45,6 +46,28 @@ TINY = [
 
 def length_reward(completion: str, problem) -> float:
     """A reward with variance inside groups even for a random policy, so the policy really moves."""
+    return len(completion) / 10
+
+
+def raising_reward(completion: str, problem) -> float:
+    return 1 / 0
+
+
+def nan_reward(completion: str, problem) -> float:
+    return float("nan")
+
+
+def text_reward(completion: str, problem) -> str:
+    return "1.0"
+
+
+CALLS = itertools.count()
+
+
+def sometimes_raising_reward(completion: str, problem) -> float:
+    """Raises on one call in six: one sample of each step's 2 x 3, under the default share."""
+    if next(CALLS) % 6 == 0:
+        raise KeyError("rare")
     return len(completion) / 10
 
 
@@ -142,3 +165,76 @@ def test_a_short_run_of_each_family_writes_every_metric(tmp_path, family):
         assert name in rows[-1], name
     assert list(tmp_path.glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+def files(run_dir) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_refused_resume_changes_nothing_on_disk(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "rl.steps=1", f"run.dir={run}"]) == 0
+    before = files(run)
+    assert main(["train", "--resume", str(run), "rl.steps=2", "draft.family=dflash"]) == 2
+    assert "was trained with a different config (draft.family)" in capsys.readouterr().err
+    # refused before relaunching on 2 ranks: the relaunch would have written config.yaml with pp=2
+    assert main(["train", "--resume", str(run), "rl.steps=2", "parallel.pp=2"]) == 2
+    assert "without pipeline parallelism; resume it with parallel.pp=1 (got parallel.pp=2)" in capsys.readouterr().err
+    assert files(run) == before  # config.yaml byte for byte, metrics, checkpoints
+    # so a plain resume still works; the step budget and the reward guard may change
+    assert main(["train", "--resume", str(run), "rl.steps=2", "rl.max_dropped_steps=5"]) == 0
+    assert [m["step"] for m in run_metrics(run)] == [1, 2]
+
+
+def test_resume_past_a_truncated_checkpoint_logs_every_step_once_and_exactly(tmp_path, capsys):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["train", *TINY, "rl.steps=4", f"run.dir={full}"]) == 0
+    assert main(["train", *TINY, "rl.steps=3", "checkpoint.every=2", f"run.dir={part}"]) == 0
+    policy = part / "checkpoints" / "step_000003" / "policy.safetensors"
+    policy.write_bytes(policy.read_bytes()[: policy.stat().st_size // 2])  # a crash mid-copy, say
+    capsys.readouterr()
+    assert main(["train", "--resume", str(part), "rl.steps=4"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if " WARNING " in line]
+    assert len(warnings) == 1 and "step_000002" in warnings[0] and "step_000003 (policy.safetensors has" in warnings[0]
+    a, b = run_metrics(full), run_metrics(part)
+    assert [m["step"] for m in b] == [1, 2, 3, 4]  # step 3 of the first run was dropped, not repeated
+    for x, y in zip(a, b, strict=True):
+        assert deterministic(x) == pytest.approx(deterministic(y), rel=0, abs=0, nan_ok=True)
+
+
+def test_resume_without_a_complete_checkpoint_is_one_line(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "rl.steps=1", f"run.dir={run}"]) == 0
+    (run / "checkpoints" / "latest").unlink()
+    (run / "checkpoints" / "step_000001" / "meta.json").unlink()  # SIGKILL during the very first checkpoint
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run), "rl.steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"codraft: error: checkpoint.resume: {run / 'checkpoints'} holds no complete checkpoint; "
+                          "skipped no 'latest' pointer, step_000001 (meta.json: ")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("reward, error", [
+    ("raising_reward", "raised ZeroDivisionError: division by zero"),
+    ("nan_reward", "returned a non-finite value (nan)"),
+    ("text_reward", "returned str '1.0', not a number"),
+])
+def test_a_run_whose_reward_drops_every_sample_fails_naming_the_function_and_its_error(tmp_path, capsys, reward,
+                                                                                      error):
+    spec = f"tests.rl.test_trainer:{reward}"
+    assert main(["train", *TINY, "rl.steps=10", f"task.reward={spec}", f"run.dir={tmp_path}"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (f"codraft: error: task.reward: the reward function '{spec}' dropped more than 50% of the samples "
+                    "for 3 consecutive steps (rl.max_dropped_share, rl.max_dropped_steps), so the run trains on "
+                    f"nothing; its first error: {error}")
+    assert [r["step"] for r in run_metrics(tmp_path)] == [1, 2]  # the third such step is refused before its update
+
+
+def test_dropping_a_few_samples_or_a_disabled_guard_does_not_stop_the_run(tmp_path):
+    sometimes = "task.reward=tests.rl.test_trainer:sometimes_raising_reward"
+    assert main(["train", *TINY, "rl.steps=4", sometimes, f"run.dir={tmp_path / 'a'}"]) == 0
+    assert [r["reward/dropped"] for r in run_metrics(tmp_path / "a")] == [1.0] * 4
+    assert main(["train", *TINY, "rl.steps=4", "task.reward=tests.rl.test_trainer:raising_reward",
+                 "rl.max_dropped_steps=0", f"run.dir={tmp_path / 'b'}"]) == 0
+    assert [r["reward/dropped"] for r in run_metrics(tmp_path / "b")] == [6.0] * 4
