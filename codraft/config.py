@@ -146,13 +146,16 @@ class DraftConfig:
 
 @dataclass
 class TaskConfig:
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    kind: Literal["arithmetic", "jsonl", "chain"] = "arithmetic"  # chain: long step-by-step answers (rl/tasks.py)
     path: str | None = None  # JSONL {"prompt", "answer"} rows, for kind=jsonl
     min_operand: int = 0
     max_operand: int = 20
     num_terms: int = 2
-    operators: str = "+"
-    reward: str = "correctness"  # a built-in name or "package.module:function"
+    operators: str = "+"  # kind=chain: + and - only
+    # kind=chain: terms per problem, log-uniform in [chain_min_terms, chain_max_terms], so a tail of answers is long
+    chain_min_terms: int = 4
+    chain_max_terms: int = 24
+    reward: str = "correctness"  # a built-in name or "package.module:function"; kind=chain: final_answer
     chat_template: bool = True
 
     def validate(self) -> None:
@@ -162,6 +165,12 @@ class TaskConfig:
         require(self.num_terms >= 2, "task.num_terms", ">= 2", self.num_terms)
         require(bool(self.operators) and set(self.operators) <= set("+-*"), "task.operators", "made of + - *",
                 self.operators)
+        if self.kind == "chain":
+            require(set(self.operators) <= set("+-"), "task.operators", "made of + - for task.kind=chain",
+                    self.operators)
+            require(self.chain_min_terms >= 2, "task.chain_min_terms", ">= 2", self.chain_min_terms)
+            require(self.chain_max_terms >= self.chain_min_terms, "task.chain_max_terms", ">= task.chain_min_terms",
+                    self.chain_max_terms)
 
 
 @dataclass

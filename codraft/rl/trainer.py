@@ -31,7 +31,7 @@ from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
-from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask, build_prompt_ids
+from codraft.rl.tasks import ArithmeticTask, ChainTask, IndexedTask, JsonlTask, build_prompt_ids
 from codraft.rollout import SpeculationController, generate
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ RESUME_SECTIONS = ("model", "draft", "task", "rl", "optim")
 
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
+    if t.kind == "chain":
+        return ChainTask(t.min_operand, t.max_operand, t.chain_min_terms, t.chain_max_terms, t.operators,
+                         seed=cfg.run.seed)
     if t.kind == "jsonl":
         return JsonlTask(t.path, seed=cfg.run.seed)
     return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)
