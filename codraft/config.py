@@ -193,9 +193,15 @@ class RLConfig:
     draft_weight: float = 0.1  # lambda in L = L_RL + lambda * L_draft
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
+    # metric drift/kl_step0 every drift_every steps: mean KL(current || step-0 policy) per token of drift_prompts
+    # held-out greedy step-0 answers (rl/drift.py); 0 = off, and nothing of the step-0 policy is kept
+    drift_every: int = 5
+    drift_prompts: int = 8
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
+        require(self.drift_every >= 0, "rl.drift_every", ">= 0 (0 = off)", self.drift_every)
+        require(self.drift_prompts >= 1, "rl.drift_prompts", ">= 1", self.drift_prompts)
         require(self.prompts_per_step >= 1, "rl.prompts_per_step", ">= 1", self.prompts_per_step)
         require(self.group_size >= 2, "rl.group_size", ">= 2 (advantages are relative to the group)", self.group_size)
         require(self.max_new_tokens >= 1, "rl.max_new_tokens", ">= 1", self.max_new_tokens)

@@ -28,6 +28,7 @@ from codraft.drafts.export import check_family, load_draft
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
 from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
+from codraft.rl.drift import drift_probe
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
@@ -60,6 +61,8 @@ class Trainer:
         self.sharding = sharding or sharding_for(cfg)
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
         self.policy, self.tokenizer = load_policy(cfg)
+        # the step-0 policy's answers to held-out prompts, taken before any resume loads later weights
+        self.drift = drift_probe(cfg, build_task(cfg), self.policy, self.tokenizer) if cfg.rl.drift_every else None
         self.task = build_task(cfg)
         self.reward_fn = load_reward_fn(cfg.task.reward)
         self.draft = self._build_draft()
@@ -166,6 +169,8 @@ class Trainer:
             "draft/skipped_steps": float(self.skipped_draft_steps),
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
+        if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
+            metrics |= self.drift.measure(self.policy)
         return metrics | train_metrics
 
     def refit(self) -> None:
