@@ -240,15 +240,21 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep: int = 2  # newest checkpoints kept
     resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
-    draft_init: str | None = None  # an exported draft to start from (e.g. from `codraft draft-train`)
+    # an exported draft dir to start from (e.g. from `codraft draft-train`); "auto": the draft distilled for this
+    # policy, draft.*, task.* and draft_train.*, from the cache under $CODRAFT_CACHE, distilled and cached first
+    # when missing (drafts/warm_start.py); None or "none": a fresh draft
+    draft_init: str | None = None
 
     def validate(self) -> None:
         require(self.every >= 0, "checkpoint.every", ">= 0", self.every)
         require(self.keep >= 1, "checkpoint.keep", ">= 1", self.keep)
         if self.resume is not None and not (Path(self.resume) / "checkpoints").is_dir():
             raise ConfigError(f"checkpoint.resume: '{self.resume}' is not a run directory with checkpoints/")
-        if self.draft_init is not None and not (Path(self.draft_init) / "config.json").is_file():
-            raise ConfigError(f"checkpoint.draft_init: '{self.draft_init}' is not an exported draft directory")
+        if self.draft_init == "none":
+            self.draft_init = None
+        if self.draft_init not in (None, "auto") and not (Path(self.draft_init) / "config.json").is_file():
+            raise ConfigError(f"checkpoint.draft_init: '{self.draft_init}' is not an exported draft directory "
+                              "(nor auto or none)")
 
 
 @dataclass

@@ -98,6 +98,10 @@ class Trainer:
         cfg = self.cfg
         if cfg.draft.family == "none":
             return None
+        if cfg.checkpoint.draft_init == "auto":
+            from codraft.drafts.warm_start import warm_start_draft  # lazy: distillation imports this module
+
+            return warm_start_draft(cfg, self.policy, self.tokenizer)
         if cfg.checkpoint.draft_init is not None:
             return check_family(load_draft(cfg.checkpoint.draft_init, self.policy), "checkpoint.draft_init",
                                 "draft.family", cfg.draft.family)
