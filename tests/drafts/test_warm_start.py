@@ -59,20 +59,21 @@ def same_weights(a, b) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
-def test_a_miss_distils_and_caches_then_a_hit_loads_the_same_draft(distillations, cache, caplog):
-    cfg, policy, tokenizer = setup()
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_a_miss_distils_and_caches_then_a_hit_loads_the_same_draft(distillations, cache, caplog, family):
+    cfg, policy, tokenizer = setup(f"draft.family={family}")
     with caplog.at_level(logging.INFO, logger="codraft.drafts.warm_start"):
         first = warm_start.warm_start_draft(cfg, policy, tokenizer)
-    assert distillations == ["eagle3"] and "no cached draft" in caplog.text
+    assert distillations == [family] and "no cached draft" in caplog.text
     entry = entry_of(cfg, policy)
-    assert entry.parent == cache / "drafts" and entry.name.startswith("eagle3-tiny-llama-")
+    assert entry.parent == cache / "drafts" and entry.name.startswith(f"{family}-tiny-llama-")
     assert sorted(p.name for p in entry.iterdir()) == ["cache.json", "config.json", "model.safetensors"]
     assert not [p for p in entry.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         second = warm_start.warm_start_draft(cfg, policy, tokenizer)
-    assert distillations == ["eagle3"] and not caplog.text  # a hit: nothing distilled, nothing to warn about
-    assert same_weights(first, second) and second.family == "eagle3"
+    assert distillations == [family] and not caplog.text  # a hit: nothing distilled, nothing to warn about
+    assert same_weights(first, second) and second.family == family
     assert same_weights(second, load_draft(entry, policy))  # the entry is an exported draft any loader reads
 
 
@@ -173,18 +174,19 @@ def trainer_run(tmp_path, name, *overrides):
 
 
 def test_train_with_draft_init_auto_is_the_same_run_on_a_miss_a_hit_and_from_the_entry(tmp_path, distillations):
-    miss, a = trainer_run(tmp_path, "miss", "checkpoint.draft_init=auto")
-    hit, b = trainer_run(tmp_path, "hit", "checkpoint.draft_init=auto")
+    dflash = ["draft.family=dflash", "draft.block_size=3", "draft_train.max_new_tokens=16"]  # anchors use torch's RNG
+    miss, a = trainer_run(tmp_path, "miss", *dflash, "checkpoint.draft_init=auto")
+    hit, b = trainer_run(tmp_path, "hit", *dflash, "checkpoint.draft_init=auto")
     entry = entry_of(a.cfg, load_policy(a.cfg)[0])
-    explicit, c = trainer_run(tmp_path, "explicit", f"checkpoint.draft_init={entry}")
-    assert distillations == ["eagle3"]
+    explicit, c = trainer_run(tmp_path, "explicit", *dflash, f"checkpoint.draft_init={entry}")
+    assert distillations == ["dflash"] and miss[0]["loss/draft"] == miss[0]["loss/draft"]  # not NaN: anchors drawn
     for x, y, z in zip(miss, hit, explicit, strict=True):  # the distillation leaves the run's RNG as it was
         assert deterministic(x) == pytest.approx(deterministic(y), rel=0, abs=0, nan_ok=True)
         assert deterministic(x) == pytest.approx(deterministic(z), rel=0, abs=0, nan_ok=True)
     assert same_weights(a.draft, b.draft) and same_weights(a.draft, c.draft)
     assert same_weights(a.policy, b.policy) and same_weights(a.policy, c.policy)
-    _, fresh = trainer_run(tmp_path, "none", "checkpoint.draft_init=none")
-    assert fresh.cfg.checkpoint.draft_init is None and distillations == ["eagle3"]
+    _, fresh = trainer_run(tmp_path, "none", *dflash, "checkpoint.draft_init=none")
+    assert fresh.cfg.checkpoint.draft_init is None and distillations == ["dflash"]
     assert not same_weights(fresh.draft, a.draft)
 
 
