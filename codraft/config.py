@@ -152,9 +152,8 @@ class TaskConfig:
     max_operand: int = 20
     num_terms: int = 2
     operators: str = "+"  # kind=chain: + and - only
-    # kind=chain: terms per problem, log-uniform in [chain_min_terms, chain_max_terms], so a tail of answers is long
-    chain_min_terms: int = 4
-    chain_max_terms: int = 24
+    chain_min_terms: int = 4  # kind=chain: terms per problem, log-uniform in [chain_min_terms, chain_max_terms]
+    chain_max_terms: int = 24  # kind=chain: the long tail (answers reach ~250 tokens: raise rl.max_new_tokens)
     reward: str = "correctness"  # a built-in name or "package.module:function"; kind=chain: final_answer
     chat_template: bool = True
 
@@ -193,10 +192,8 @@ class RLConfig:
     draft_weight: float = 0.1  # lambda in L = L_RL + lambda * L_draft
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
-    # metric drift/kl_step0 every drift_every steps: mean KL(current || step-0 policy) per token of drift_prompts
-    # held-out greedy step-0 answers (rl/drift.py); 0 = off, and nothing of the step-0 policy is kept
-    drift_every: int = 5
-    drift_prompts: int = 8
+    drift_every: int = 5  # steps between drift/kl_step0, KL(current || step-0 policy) per token (rl/drift.py); 0 = off
+    drift_prompts: int = 8  # held-out prompts whose greedy step-0 answers drift/kl_step0 is measured on
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
@@ -240,10 +237,7 @@ class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep: int = 2  # newest checkpoints kept
     resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
-    # an exported draft dir to start from (e.g. from `codraft draft-train`); "auto": the draft distilled for this
-    # policy, draft.*, task.* and draft_train.*, from the cache under $CODRAFT_CACHE, distilled and cached first
-    # when missing (drafts/warm_start.py); None or "none": a fresh draft
-    draft_init: str | None = None
+    draft_init: str | None = None  # a draft dir to start from; auto: distilled once, then cached; none: fresh
 
     def validate(self) -> None:
         require(self.every >= 0, "checkpoint.every", ">= 0", self.every)
