@@ -152,13 +152,15 @@ class DraftConfig:
 
 @dataclass
 class TaskConfig:
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    kind: Literal["arithmetic", "jsonl", "chain"] = "arithmetic"  # chain: long step-by-step answers (rl/tasks.py)
     path: str | None = None  # JSONL {"prompt", "answer"} rows, for kind=jsonl
     min_operand: int = 0
     max_operand: int = 20
     num_terms: int = 2
-    operators: str = "+"
-    reward: str = "correctness"  # a built-in name or "package.module:function"
+    operators: str = "+"  # kind=chain: + and - only
+    chain_min_terms: int = 4  # kind=chain: terms per problem, log-uniform in [chain_min_terms, chain_max_terms]
+    chain_max_terms: int = 24  # kind=chain: the long tail (answers reach ~250 tokens: raise rl.max_new_tokens)
+    reward: str = "correctness"  # a built-in name or "package.module:function"; kind=chain: final_answer
     chat_template: bool = True
 
     def validate(self) -> None:
@@ -168,6 +170,12 @@ class TaskConfig:
         require(self.num_terms >= 2, "task.num_terms", ">= 2", self.num_terms)
         require(bool(self.operators) and set(self.operators) <= set("+-*"), "task.operators", "made of + - *",
                 self.operators)
+        if self.kind == "chain":
+            require(set(self.operators) <= set("+-"), "task.operators", "made of + - for task.kind=chain",
+                    self.operators)
+            require(self.chain_min_terms >= 2, "task.chain_min_terms", ">= 2", self.chain_min_terms)
+            require(self.chain_max_terms >= self.chain_min_terms, "task.chain_max_terms", ">= task.chain_min_terms",
+                    self.chain_max_terms)
 
 
 @dataclass
@@ -192,9 +200,13 @@ class RLConfig:
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
     max_dropped_share: float = 0.5  # a step "trains nothing" when more than this share of samples has no reward
     max_dropped_steps: int = 3  # that many such steps in a row stop the run with the reward's error; 0 = never
+    drift_every: int = 5  # steps between drift/kl_step0, KL(current || step-0 policy) per token (rl/drift.py); 0 = off
+    drift_prompts: int = 8  # held-out prompts whose greedy step-0 answers drift/kl_step0 is measured on
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
+        require(self.drift_every >= 0, "rl.drift_every", ">= 0 (0 = off)", self.drift_every)
+        require(self.drift_prompts >= 1, "rl.drift_prompts", ">= 1", self.drift_prompts)
         require(self.prompts_per_step >= 1, "rl.prompts_per_step", ">= 1", self.prompts_per_step)
         require(self.group_size >= 2, "rl.group_size", ">= 2 (advantages are relative to the group)", self.group_size)
         require(self.max_new_tokens >= 1, "rl.max_new_tokens", ">= 1", self.max_new_tokens)
@@ -235,15 +247,18 @@ class CheckpointConfig:
     every: int = 10  # steps between checkpoints (and one at the end, or on SIGINT/SIGTERM); 0 = only then
     keep: int = 2  # newest checkpoints kept
     resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
-    draft_init: str | None = None  # an exported draft to start from (e.g. from `codraft draft-train`)
+    draft_init: str | None = None  # a draft dir to start from; auto: distilled once, then cached; none: fresh
 
     def validate(self) -> None:
         require(self.every >= 0, "checkpoint.every", ">= 0", self.every)
         require(self.keep >= 1, "checkpoint.keep", ">= 1", self.keep)
         if self.resume is not None and not (Path(self.resume) / "checkpoints").is_dir():
             raise ConfigError(f"checkpoint.resume: '{self.resume}' is not a run directory with checkpoints/")
-        if self.draft_init is not None and not (Path(self.draft_init) / "config.json").is_file():
-            raise ConfigError(f"checkpoint.draft_init: '{self.draft_init}' is not an exported draft directory")
+        if self.draft_init == "none":
+            self.draft_init = None
+        if self.draft_init not in (None, "auto") and not (Path(self.draft_init) / "config.json").is_file():
+            raise ConfigError(f"checkpoint.draft_init: '{self.draft_init}' is not an exported draft directory "
+                              "(nor auto or none)")
 
 
 @dataclass

@@ -222,3 +222,16 @@ def test_save_config_round_trip(presets, tmp_path):
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(tmp_path / "config.yaml", [], cls=ExtendedConfig) == cfg
     assert config_to_dict(cfg)["taps"] == {"layers": [1, 2], "names": [], "limit": None}
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["task.operators=+*"], "task.operators"),
+        (["task.chain_min_terms=1"], "task.chain_min_terms"),
+        (["task.chain_min_terms=6", "task.chain_max_terms=5"], "task.chain_max_terms"),
+    ],
+)
+def test_chain_task_keys_are_checked_only_for_the_chain_task(presets, overrides, key):
+    assert error(overrides=["task.kind=chain", *overrides]).startswith(f"config key '{key}' must be ")
+    load_config(None, overrides)  # other kinds ignore the chain keys (arithmetic accepts '*')

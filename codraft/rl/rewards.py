@@ -51,6 +51,30 @@ def correctness_reward(completion: str, problem: Problem) -> float:
     return float(got is not None and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9))
 
 
+# "answer" then optionally "is", ":" or "=", then markup (bold, $, brackets) up to the number it announces
+_ANSWER = re.compile(rf"answer\s*(?:is\b)?\s*[:=]?[\s*$`(\[]*({_NUMBER.pattern})", re.IGNORECASE)
+
+
+def final_number(text: str) -> float | None:
+    """The number a worked answer ends on: the one right after its last "answer" marker ("Answer: 57",
+    "The final answer is **57**."), else its last number ("... = 57"); None if it holds no number.
+
+    Text after an announced answer ("Answer: 57. I checked each of the 5 steps.") does not count.
+    """
+    text = _normalise(text)
+    announced = _ANSWER.findall(text)
+    if announced:
+        return float(announced[-1].replace(",", ""))
+    return last_number(text)
+
+
+def final_answer_reward(completion: str, problem: Problem) -> float:
+    """1.0 if the completion's `final_number` equals the answer numerically, else 0.0 (the chain task's reward)."""
+    expected, got = last_number(problem.answer), final_number(completion)
+    return float(expected is not None and got is not None and math.isclose(got, expected, rel_tol=1e-9,
+                                                                            abs_tol=1e-9))
+
+
 def format_reward(completion: str, problem: Problem, bonus: float = 0.1) -> float:
     """`bonus` if the completion is a bare number (an optional trailing period allowed), else 0.0."""
     return bonus if _ONLY_NUMBER.fullmatch(_normalise(completion)) else 0.0
@@ -74,6 +98,7 @@ def combine(*fns: RewardFn, weights: list[float] | None = None) -> RewardFn:
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correctness": correctness_reward,
     "correctness+format": combine(correctness_reward, format_reward),
+    "final_answer": final_answer_reward,
 }
 
 

@@ -1,4 +1,5 @@
-"""Prompt sources for RL: an embedded arithmetic generator and user JSONL data.
+"""Prompt sources for RL: embedded arithmetic generators (short answers, long step-by-step chains) and user JSONL
+data.
 
 Every task is an indexed, deterministic stream: `problem(i)` depends only on the
 task's config, its seed and `i`, and the task keeps a position that `sample(n)`
@@ -9,6 +10,7 @@ and iteration advance. The trainer checkpoints that position with
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -189,3 +191,48 @@ class JsonlTask(IndexedTask):
         if state.get("num_problems", len(self.problems)) != len(self.problems):
             log.warning("task state was saved with %s problems, the dataset now has %d: the epoch order differs",
                         state["num_problems"], len(self.problems))
+
+
+CHAIN_TEMPLATE = ("Compute {expression} step by step, from left to right. Write each partial result on its own "
+                  'line, like "{first_step}", and end with "Answer: <number>".')
+
+
+class ChainTask(IndexedTask):
+    """Long answers: a chain of integers added (or subtracted) left to right, one written partial result per step.
+
+    The number of terms of each problem is drawn log-uniformly from [min_terms, max_terms], so most answers are
+    short and a tail is long: with the defaults (4..24 terms of 0..20) an answer written as asked takes about
+    35 / 100 / 230 tokens (10th / 50th / 90th percentile, SmolLM2's tokenizer; give rollouts
+    `rl.max_new_tokens=256` or more). `operators` may hold `+` and `-` only: a partial result is the running total.
+    The reference answer is the final total; `rewards.final_answer_reward` scores the number the answer ends on.
+    """
+
+    def __init__(self, min_operand: int = 0, max_operand: int = 20, min_terms: int = 4, max_terms: int = 24,
+                 operators: str = "+", seed: int = 0, template: str = CHAIN_TEMPLATE):
+        super().__init__(seed)
+        if min_operand < 0 or max_operand < min_operand:
+            raise ValueError(f"need 0 <= min_operand <= max_operand, got min_operand={min_operand}, "
+                             f"max_operand={max_operand}")
+        if not 2 <= min_terms <= max_terms:
+            raise ValueError(f"need 2 <= min_terms <= max_terms, got min_terms={min_terms}, max_terms={max_terms}")
+        if not operators or any(op not in "+-" for op in operators):
+            raise ValueError(f"operators must be a non-empty string of '+-', got {operators!r}")
+        for name in ("{expression}", "{first_step}"):
+            if name not in template:
+                raise ValueError(f"template must contain '{name}', got {template!r}")
+        self.min_operand, self.max_operand = min_operand, max_operand
+        self.min_terms, self.max_terms, self.operators, self.template = min_terms, max_terms, operators, template
+
+    def num_terms(self, rng: random.Random) -> int:
+        """Log-uniform over [min_terms, max_terms]: P(n) is proportional to log((n + 1) / n)."""
+        n = math.exp(rng.uniform(math.log(self.min_terms), math.log(self.max_terms + 1)))
+        return min(int(n), self.max_terms)
+
+    def problem(self, index: int) -> Problem:
+        rng = random.Random(f"chain:{self.seed}:{index}")  # str seeds hash with sha512: stable across runs
+        terms = [rng.randint(self.min_operand, self.max_operand) for _ in range(self.num_terms(rng))]
+        ops = [rng.choice(self.operators) for _ in terms[1:]]
+        expression = str(terms[0]) + "".join(f" {op} {t}" for op, t in zip(ops, terms[1:], strict=True))
+        first = f"{terms[0]} {ops[0]} {terms[1]} = {_evaluate(terms[:2], ops[:1])}"
+        prompt = self.template.format(expression=expression, first_step=first)
+        return Problem(prompt, str(_evaluate(terms, ops)))

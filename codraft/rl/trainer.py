@@ -29,13 +29,14 @@ from codraft.models import Tokenizer, Transformer
 from codraft.parallel.cp_train import sharding_for
 from codraft.rl.batch import pack_rollouts, per_sequence
 from codraft.rl.checkpoint import save_checkpoint
+from codraft.rl.drift import drift_probe
 from codraft.rl.grpo import group_advantages, grpo_loss_for, rewards_tensor, zero_variance_groups
 from codraft.rl.prompts import PromptEncoder, prompt_corpus
 from codraft.rl.resume import load_resumable, resume_sections
 from codraft.rl.reward_guard import RewardGuard
 from codraft.rl.rewards import load_reward_fn, score
 from codraft.rl.sharding import Sharding
-from codraft.rl.tasks import ArithmeticTask, IndexedTask, JsonlTask
+from codraft.rl.tasks import ArithmeticTask, ChainTask, IndexedTask, JsonlTask
 from codraft.rollout import SpeculationController, generate
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
+    if t.kind == "chain":
+        return ChainTask(t.min_operand, t.max_operand, t.chain_min_terms, t.chain_max_terms, t.operators,
+                         seed=cfg.run.seed)
     if t.kind == "jsonl":
         try:
             return JsonlTask(t.path, seed=cfg.run.seed)
@@ -70,6 +74,8 @@ class Trainer:
         self.sharding = sharding or sharding_for(cfg)
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
         self.policy, self.tokenizer = load_policy(cfg)
+        # the step-0 policy's answers to held-out prompts, taken before any resume loads later weights
+        self.drift = drift_probe(cfg, build_task(cfg), self.policy, self.tokenizer) if cfg.rl.drift_every else None
         self.task = build_task(cfg)
         try:
             self.reward_fn = load_reward_fn(cfg.task.reward)
@@ -110,6 +116,10 @@ class Trainer:
         cfg = self.cfg
         if cfg.draft.family == "none":
             return None
+        if cfg.checkpoint.draft_init == "auto":
+            from codraft.drafts.warm_start import warm_start_draft  # lazy: distillation imports this module
+
+            return warm_start_draft(cfg, self.policy, self.tokenizer)
         if cfg.checkpoint.draft_init is not None:
             return check_family(read_draft(cfg.checkpoint.draft_init, self.policy, "checkpoint.draft_init"),
                                 "checkpoint.draft_init", "draft.family", cfg.draft.family)
@@ -183,6 +193,8 @@ class Trainer:
             "draft/skipped_steps": float(self.skipped_draft_steps),
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
+        if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
+            metrics |= self.drift.measure(self.policy)
         return metrics | train_metrics
 
     def refit(self) -> None:

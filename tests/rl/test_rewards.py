@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from codraft.rl import rewards
-from codraft.rl.rewards import combine, correctness_reward, format_reward, last_number, load_reward_fn, score
+from codraft.rl.rewards import (
+    combine,
+    correctness_reward,
+    final_answer_reward,
+    final_number,
+    format_reward,
+    last_number,
+    load_reward_fn,
+    score,
+)
 from codraft.rl.tasks import Problem
 
 
@@ -44,6 +53,37 @@ def fresh_warnings(monkeypatch):
 )
 def test_correctness_on_tricky_strings(completion, answer, expected):
     assert correctness_reward(completion, Problem("q", answer)) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("12 + 7 = 19\n19 + 5 = 24\nAnswer: 24", 24.0),
+        ("12 + 7 = 19\n19 + 5 = 24\n= 24", 24.0),  # no marker: the last number
+        ("12 + 7 = 19\n19 + 5 = 24\nThe answer is 24.", 24.0),
+        ("Answer: 24. I checked all 3 steps twice.", 24.0),  # numbers after the announced answer do not count
+        ("The final answer is **24**.", 24.0),
+        ("**Answer:** $-3$ (not 4)", -3.0),
+        ("answer = 1,234\nDone in 2 steps", 1234.0),
+        ("Answer: 19\nWait, 19 + 5 = 24. Answer: 24", 24.0),  # the last marker counts
+        ("The answer to 12 + 7 is 19", 19.0),  # "answer to ..." announces nothing: the last number
+        ("I answered 3 of them: 5", 5.0),
+        ("Answer: none", None),
+        ("", None),
+    ],
+)
+def test_final_number_reads_the_announced_answer_else_the_last_number(completion, expected):
+    assert final_number(completion) == expected
+
+
+def test_final_answer_reward_scores_the_final_number_only():
+    p = Problem("q", "24")
+    assert final_answer_reward("12 + 7 = 19\n19 + 5 = 24\nAnswer: 24. That took 2 steps.", p) == 1.0
+    assert correctness_reward("12 + 7 = 19\n19 + 5 = 24\nAnswer: 24. That took 2 steps.", p) == 0.0  # last number: 2
+    assert final_answer_reward("12 + 7 = 19\n19 + 5 = 24\nAnswer: 23", p) == 0.0  # a right partial sum is not enough
+    assert final_answer_reward("no numbers", p) == 0.0
+    assert final_answer_reward("Answer: 24", Problem("q", "no number")) == 0.0
+    assert load_reward_fn("final_answer") is final_answer_reward
 
 
 def test_last_number():

@@ -1,0 +1,184 @@
+"""`checkpoint.draft_init=auto`: start RL from a draft distilled for this policy and config, cached between runs.
+
+The cache entry of a run is `$CODRAFT_CACHE/drafts/<family>-<model>-<key>/` (default `~/.cache/codraft`),
+where key is a hash of `cache_key`: the policy (model.path, model.dtype, its ModelArgs and a fingerprint of
+its weights), draft.*, task.* (and a JSONL dataset's bytes; not task.reward, which distillation never reads),
+draft_train.* and run.seed. An entry is an exported draft (drafts/export.py) plus `cache.json`, written last:
+the key it was made for and the sha256 of each file.
+
+A hit is an entry whose cache.json holds this run's key, whose files still have their recorded hashes, and
+whose draft loads for this policy and is of draft.family. Anything short of that (no entry, no or unreadable
+cache.json, another key, truncated or altered weights, a draft of other shapes or family) is never loaded:
+one logged line says why, then a draft is distilled with draft-train's code (drafts/distill.py, budget
+draft_train.*, its own progress bar), exported into a temporary directory and renamed into place. A file
+lock per entry makes concurrent runs (or the ranks of one run) wait for one distillation instead of
+repeating it, and distillation draws from its own RNG, so a hit and a miss leave the run in the same state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from codraft.config import Config
+from codraft.drafts.base import DraftModel
+from codraft.drafts.distill import live_accuracy, split_prompts, start_distillation
+from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, export_draft, load_draft
+from codraft.models import Tokenizer, Transformer
+from codraft.models.loading import cache_root
+from codraft.observability import progress
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when what an entry holds, or how a draft is distilled, changes
+MARKER = "cache.json"
+NO_ENTRY = "no cached draft"  # the one reason for distilling that is not worth a warning
+FINGERPRINT_SAMPLES = 4096  # values per weight tensor that the fingerprint reads
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over every tensor's name, shape, dtype and an evenly strided sample of its values: cheap at any
+    model size, and any fine-tune (which moves every value of the tensors it trains) changes it."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES]
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(sample.float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_key(cfg: Config, policy: Transformer) -> dict:
+    """Everything the distilled draft depends on, as plain JSON."""
+    path = Path(cfg.model.path).expanduser()
+    model_path = str(path.resolve()) if path.exists() else cfg.model.path  # a file or dir by place, a preset by name
+    task = dataclasses.asdict(cfg.task)
+    del task["reward"]
+    if cfg.task.kind == "jsonl":
+        task["data_sha256"] = _file_sha256(Path(cfg.task.path))
+    key = {
+        "format": CACHE_FORMAT,
+        "policy": {"path": model_path, "dtype": cfg.model.dtype, "args": dataclasses.asdict(policy.args),
+                   "weights": weights_fingerprint(policy)},
+        "draft": dataclasses.asdict(cfg.draft),
+        "task": task,
+        "draft_train": dataclasses.asdict(cfg.draft_train),
+        "seed": cfg.run.seed,
+    }
+    return json.loads(json.dumps(key))  # as cache.json holds it (tuples become lists)
+
+
+def entry_dir(cfg: Config, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(cfg.model.path).name) or "model"
+    return cache_root() / "drafts" / f"{cfg.draft.family}-{model}-{digest}"
+
+
+@contextlib.contextmanager
+def entry_lock(entry: Path) -> Iterator[None]:
+    """Exclusive use of `entry` among processes on this host (released when the process dies)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.parent / f"{entry.name}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process to finish the draft in %s", entry)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
+
+
+def read_entry(entry: Path, key: dict, policy: Transformer, family: str) -> tuple[DraftModel | None, str]:
+    """(the cached draft, "") on a hit, else (None, why not)."""
+    if not entry.is_dir():
+        return None, NO_ENTRY
+    try:
+        marker = json.loads((entry / MARKER).read_text())
+    except FileNotFoundError:
+        return None, f"incomplete entry (no {MARKER})"
+    except (OSError, ValueError) as e:
+        return None, f"{MARKER} is unreadable ({e})"
+    if not isinstance(marker, dict) or marker.get("key") != key:
+        saved = marker.get("key") if isinstance(marker, dict) else None
+        differ = sorted(k for k in key if not isinstance(saved, dict) or saved.get(k) != key[k])
+        return None, f"made for another {', '.join(differ) or 'key'}"
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        recorded = (marker.get("files") or {}).get(name)
+        if not (entry / name).is_file() or _file_sha256(entry / name) != recorded:
+            return None, f"{name} is missing, truncated or altered (its sha256 is not the one recorded)"
+    try:
+        draft = load_draft(entry, policy)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        return None, f"it does not load for this policy: {e}"
+    if draft.family != family:
+        return None, f"it holds a {draft.family} draft, not draft.family={family}"
+    return draft, ""
+
+
+def distil(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> DraftModel:
+    """A `draft.family` draft distilled on the policy's answers to the first `draft_train.num_prompts` prompts."""
+    dt = cfg.draft_train
+    prompts, _ = split_prompts(cfg, tokenizer, held_out=0)
+    device = next(policy.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the run's RNG is left as it was
+        distiller = start_distillation(cfg, policy, tokenizer, prompts)
+        bar = progress(range(dt.steps), desc=f"warm-start {cfg.draft.family} draft")
+        for _ in bar:
+            metrics = distiller.step()
+            bar.set_postfix({"loss": f"{metrics['loss/draft']:.3f}", "acc": f"{live_accuracy(metrics):.3f}"})
+    return distiller.draft
+
+
+def write_entry(entry: Path, key: dict, draft: DraftModel) -> None:
+    """Export `draft` with its marker into a temporary sibling, sync it, then rename it over `entry`."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+    try:
+        out = export_draft(draft, staging / "draft")
+        files = {name: _file_sha256(out / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
+        (out / MARKER).write_text(json.dumps({"key": key, "files": files}, indent=2, sort_keys=True) + "\n")
+        for f in out.iterdir():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+        shutil.rmtree(entry, ignore_errors=True)  # an entry that was not a hit; we hold its lock
+        os.replace(out, entry)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def warm_start_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> DraftModel:
+    """The cached draft for this policy and config; distilled and cached first if there is no usable one."""
+    key = cache_key(cfg, policy)
+    entry = entry_dir(cfg, key)
+    with entry_lock(entry):
+        draft, why = read_entry(entry, key, policy, cfg.draft.family)
+        if draft is not None:
+            log.info("warm start: the cached %s draft %s", cfg.draft.family, entry)
+            return draft
+        log.log(logging.INFO if why == NO_ENTRY else logging.WARNING,
+                "warm start: %s in %s: distilling a %s draft (draft_train.num_prompts=%d, draft_train.steps=%d)",
+                why, entry, cfg.draft.family, cfg.draft_train.num_prompts, cfg.draft_train.steps)
+        write_entry(entry, key, distil(cfg, policy, tokenizer))
+        draft, why = read_entry(entry, key, policy, cfg.draft.family)
+        assert draft is not None, f"the draft just written to {entry} does not read back: {why}"
+        log.info("warm start: cached the distilled %s draft in %s", cfg.draft.family, entry)
+        return draft

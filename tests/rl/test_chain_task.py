@@ -1,0 +1,69 @@
+"""The long-answer task: step-by-step chains whose reward reads the final number (rl/tasks.py, rl/rewards.py)."""
+
+import json
+import re
+from collections import Counter
+from statistics import median
+
+import pytest
+
+from codraft.cli import main
+from codraft.config import load_config
+from codraft.rl.tasks import ChainTask
+from codraft.rl.trainer import build_task
+
+CHAIN = re.compile(r'Compute (.+) step by step, from left to right\. Write each partial result on its own line, '
+                   r'like "(.+)", and end with "Answer: <number>"\.')
+
+
+def test_chain_answers_are_left_to_right_totals_and_the_example_is_the_first_step():
+    task = ChainTask(min_operand=0, max_operand=99, operators="+-", seed=3)
+    for p in task.sample(200):
+        expression, first_step = CHAIN.fullmatch(p.prompt).groups()
+        tokens = expression.split()
+        assert set(tokens[1::2]) <= {"+", "-"} and all(0 <= int(t) <= 99 for t in tokens[::2])
+        assert p.answer == str(eval(expression))  # + and - only: Python's left-to-right value
+        assert first_step == f"{' '.join(tokens[:3])} = {eval(' '.join(tokens[:3]))}"
+
+
+def test_chain_lengths_span_the_range_with_a_long_tail():
+    counts = Counter(len(CHAIN.fullmatch(p.prompt).group(1).split()[::2]) for p in ChainTask(seed=1).sample(4000))
+    assert min(counts) == 4 and max(counts) == 24  # every length of the default range is reached
+    assert counts[4] > 2 * counts[12] > 2 * counts[24] > 0  # log-uniform: short ones common, long ones rare
+    assert 9 <= median(counts.elements()) <= 11  # sqrt(4 * 25) = 10
+
+
+def test_chain_is_deterministic_per_seed_and_index_and_resumes():
+    assert ChainTask(seed=4).sample(30) == ChainTask(seed=4).sample(30) != ChainTask(seed=5).sample(30)
+    task = ChainTask(seed=4)
+    task.sample(7)
+    resumed = ChainTask(seed=4)
+    resumed.load_state_dict(json.loads(json.dumps(task.state_dict())))
+    assert resumed.sample(3) == task.sample(3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"operators": "*"}, "operators"), ({"min_terms": 1}, "min_terms"), ({"min_terms": 5, "max_terms": 4},
+     "max_terms"), ({"min_operand": 5, "max_operand": 4}, "max_operand"), ({"template": "{expression}"},
+     "first_step")],
+)
+def test_bad_chain_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ChainTask(**kwargs)
+
+
+def test_task_kind_chain_builds_the_configured_chain():
+    cfg = load_config(None, ["task.kind=chain", "task.chain_min_terms=3", "task.chain_max_terms=3",
+                             "task.max_operand=9", "task.operators=-", "run.seed=2"])
+    task = build_task(cfg)
+    assert isinstance(task, ChainTask) and task.problem(0) == ChainTask(0, 9, 3, 3, "-", seed=2).problem(0)
+    assert all(CHAIN.fullmatch(p.prompt).group(1).count(" - ") == 2 for p in task.sample(20))
+
+
+def test_a_chain_run_trains_and_scores_with_the_final_answer_reward(tmp_path):
+    assert main(["train", "model.path=tiny-llama", "task.kind=chain", "task.reward=final_answer", "rl.steps=1",
+                 "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", "draft.family=none",
+                 "run.tensorboard=false", f"run.dir={tmp_path}"]) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward/mean"] == 0.0 and row["reward/dropped"] == 0  # a random policy never gets a chain right
