@@ -4,7 +4,9 @@ With per-position conditional acceptance a_i = P(draft i accepted | draft i-1
 accepted), k drafts emit E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens per row
 for one target forward of rows x (k+1) tokens plus the draft's own work. The
 controller maximises tokens per second, E(k) * rows / (verify(rows, k+1) +
-draft(k)), and turns speculation off (k = 0) when no k beats plain decoding.
+draft(k)), and turns speculation off (k = 0) when no k beats plain decoding by
+`min_gain` (5%): near break-even the model's error decides, and wrong calls there
+only lose.
 
 Everything is learned from the engine's own steps, so the controller costs
 nothing up front (no calibration forwards): the first step of a fresh
@@ -83,8 +85,9 @@ class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.5, prior_weight: float = 1.0, decay: float = 0.98,
-                 probe_k: int = 1, first_probe: int = 4, max_probe_interval: int = 64):
+                 probe_k: int = 1, first_probe: int = 4, max_probe_interval: int = 64, min_gain: float = 0.05):
         self.max_k = max_k
+        self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.hits = [0.0] * max_k  # discounted accepted counts per position
         self.trials = [0.0] * max_k  # discounted reached counts per position
@@ -124,6 +127,8 @@ class SpeculationController:
             return 0  # the first step decodes plainly and so times a decode step
         rates = [self.tokens_per_second(rows, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rates.__getitem__)
+        if rates[best] < (1 + self.min_gain) * rates[0]:  # a predicted gain within the model's error is no gain
+            best = 0
         if best:
             self.steps_off, self.probe_interval = 0, self.first_probe
             return best
