@@ -183,8 +183,8 @@ class DraftState:
         """Append the first counts[b] of taps [B, t, n_taps * H] / ids [B, t] to row b's fresh part."""
         B, t = ids.shape
         need = int((self.fresh_len + counts).max())
-        if need > self.fresh_ids.shape[1]:
-            pad = need - self.fresh_ids.shape[1]
+        if need > self.fresh_ids.shape[1]:  # grow geometrically: while speculation is off, rows append every step
+            pad = max(need, 2 * self.fresh_ids.shape[1]) - self.fresh_ids.shape[1]
             self.fresh_taps = nn.functional.pad(self.fresh_taps, (0, 0, 0, pad))
             self.fresh_ids = nn.functional.pad(self.fresh_ids, (0, pad))
         steps = torch.arange(t, device=ids.device)
