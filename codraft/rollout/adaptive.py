@@ -11,9 +11,9 @@ only lose.
 Everything is learned from the engine's own steps, so the controller costs
 nothing up front (no calibration forwards): the first step of a fresh
 controller decodes plainly, which times a decode step; acceptance starts from a
-weak prior worth one observation, so a useless draft is found out in a step or
-two; while off, probes of one draft token come at growing intervals (4, 8, ...
-64 steps), so a draft that got better is noticed at a bounded cost.
+weak prior (0.3, worth one observation), so a useless draft is found out in a
+step or two; while off, probes of one draft token come at growing intervals (8,
+16, ... 64 steps), so a draft that got better is noticed at a bounded cost.
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ class VerifyCostModel:
 class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
-    def __init__(self, max_k: int, prior: float = 0.5, prior_weight: float = 1.0, decay: float = 0.98,
-                 probe_k: int = 1, first_probe: int = 4, max_probe_interval: int = 64, min_gain: float = 0.05):
+    def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, decay: float = 0.98,
+                 probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05):
         self.max_k = max_k
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
