@@ -68,21 +68,18 @@ def _hf_generate(hf, prompts: list[list[int]], pad_id: int, n: int, **kwargs) ->
 
 @torch.no_grad()
 def verify_cost_ratios(model: Transformer, batch: int, context: int, repeats: int) -> dict[str, dict[int, float]]:
-    """Seconds of a t-token forward per row over a `context`-long cache / a 1-token one, packed and plain."""
+    """Seconds of a t-token forward per row over a `context`-long cache / a 1-token one, with plain F.linear and
+    with packed weights (shapes interleaved within each; packing happens outside the timed calls)."""
     cache = model.new_cache(batch, context + max(VERIFY_TOKENS))
     cache.lengths.fill_(context)
-
-    def forward(t: int, packed: bool):
-        def run():
-            (pack_linears if packed else unpack_linears)(model)
-            return model(torch.zeros(batch, t, dtype=torch.long), cache=cache)
-        return run
-
-    shapes = [(t, packed) for packed in (True, False) for t in (1, *VERIFY_TOKENS)]
-    times, _ = interleaved({f"{t}:{packed}": forward(t, packed) for t, packed in shapes}, 3 * repeats)
-    pack_linears(model)
-    return {("packed" if packed else "plain"): {t: median(times[f"{t}:{packed}"]) / median(times[f"1:{packed}"])
-                                                for t in VERIFY_TOKENS} for packed in (True, False)}
+    ratios = {}
+    for name, prepare in (("plain", unpack_linears), ("packed", pack_linears)):
+        prepare(model)
+        runs = {t: (lambda t=t: model(torch.zeros(batch, t, dtype=torch.long), cache=cache))
+                for t in (1, *VERIFY_TOKENS)}
+        times, _ = interleaved(runs, 3 * repeats)
+        ratios[name] = {t: median(times[t]) / median(times[1]) for t in VERIFY_TOKENS}
+    return ratios
 
 
 def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_sizes: list[int], max_new_tokens: int,
