@@ -16,14 +16,15 @@ It is exactly 0 while the weights are those of step 0.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from codraft.config import Config
-from codraft.models import Tokenizer, Transformer
+from codraft.models import Transformer
 from codraft.models.linear import unpack_linears
-from codraft.rl.tasks import IndexedTask, build_prompt_ids
+from codraft.rl.tasks import IndexedTask, Problem
 from codraft.rollout import generate
 
 # problems this far into a task stream are never trained on (arithmetic, chain); a JSONL dataset has no
@@ -80,9 +81,10 @@ class DriftProbe:
         return {"drift/kl_step0": float(kl), "time/drift_s": time.perf_counter() - start}
 
 
-def drift_probe(cfg: Config, task: IndexedTask, policy: Transformer, tokenizer: Tokenizer) -> DriftProbe:
+def drift_probe(cfg: Config, task: IndexedTask, policy: Transformer,
+                encode: Callable[[Problem], list[int]]) -> DriftProbe:
     """The probe of `rl.*` for this (step-0) policy: `rl.drift_prompts` problems of `task` far past any run's
-    training prompts (HELD_OUT_START), answered with up to `rl.max_new_tokens` tokens."""
-    prompts = [build_prompt_ids(tokenizer, task.problem(HELD_OUT_START + i), cfg.task.chat_template)
-               for i in range(cfg.rl.drift_prompts)]
+    training prompts (HELD_OUT_START), encoded (and length-checked) by `encode`, answered with up to
+    `rl.max_new_tokens` tokens."""
+    prompts = [encode(task.problem(HELD_OUT_START + i)) for i in range(cfg.rl.drift_prompts)]
     return DriftProbe(policy, prompts, cfg.rl.max_new_tokens)

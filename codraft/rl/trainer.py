@@ -74,8 +74,6 @@ class Trainer:
         self.sharding = sharding or sharding_for(cfg)
         torch.manual_seed(cfg.run.seed)  # draft init, anchor sampling; saved and restored with checkpoints
         self.policy, self.tokenizer = load_policy(cfg)
-        # the step-0 policy's answers to held-out prompts, taken before any resume loads later weights
-        self.drift = drift_probe(cfg, build_task(cfg), self.policy, self.tokenizer) if cfg.rl.drift_every else None
         self.task = build_task(cfg)
         try:
             self.reward_fn = load_reward_fn(cfg.task.reward)
@@ -84,6 +82,8 @@ class Trainer:
         self.reward_guard = RewardGuard(cfg.task.reward, cfg.rl)
         self.encode = prompt_encoder(cfg, self.policy, self.tokenizer)
         self.draft = self._build_draft(prompt_corpus(self.task, self.encode, 256))  # every JSONL row checked first
+        # the step-0 policy's answers to held-out prompts, taken before any resume loads later weights
+        self.drift = drift_probe(cfg, build_task(cfg), self.policy, self.encode) if cfg.rl.drift_every else None
         self.sharding.apply(self.policy, self.draft)
         self._build_optimizers()
         rl = cfg.rl
