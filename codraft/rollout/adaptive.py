@@ -85,12 +85,8 @@ class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, decay: float = 0.98,
-                 probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05,
-                 refresh_every: int = 16):
+                 probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05):
         self.max_k = max_k
-        # while speculating, every refresh_every-th step decodes plainly: the decode cost it is measured against
-        # would otherwise stay whatever the first (cold) step of the run measured
-        self.refresh_every, self.steps_on = refresh_every, 0
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.hits = [0.0] * max_k  # discounted accepted counts per position
@@ -135,8 +131,7 @@ class SpeculationController:
             best = 0
         if best:
             self.steps_off, self.probe_interval = 0, self.first_probe
-            self.steps_on += 1
-            return 0 if self.refresh_every and self.steps_on % self.refresh_every == 0 else best
+            return best
         self.steps_off += 1
         if self.steps_off < self.probe_interval:
             return 0

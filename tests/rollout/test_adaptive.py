@@ -67,21 +67,3 @@ def test_cost_model_keys_on_rows_and_tokens_not_their_product():
     # an unobserved shape: the decode cost at those rows times the verify/decode ratio of the nearest rows
     assert abs(cost(8, 8) - 0.030 * 0.020 / 0.018) < 1e-12
     assert abs(cost(4, 1) - (0.018 + (0.030 - 0.018) * 3 / 7)) < 1e-12
-
-
-def test_a_stale_decode_cost_is_refreshed_while_speculating():
-    """A cold first step made decoding look 25% dearer than it is: periodic plain steps correct it."""
-    c = SpeculationController(2)
-    c.cost.observe(8, 1, 0.055)  # the cold first step
-    c.cost.observe(8, 2, 0.056)
-    c.cost.observe(8, 3, 0.069)
-    plain = []
-    for step in range(64):
-        k = c.choose(8)
-        if k == 0:
-            plain.append(step)
-        reached = [8, 4][:k]
-        c.observe(k, reached, [4, 1][:k], 8, verify_s={0: 0.044, 1: 0.066, 2: 0.076}[k], draft_s=0.004 * k)
-    assert plain, "no plain step refreshed the decode cost"
-    assert abs(c.cost(8, 1) - 0.044) < 0.004  # was 0.055
-    assert c.choose(8) == 0  # at the true decode cost, k = 1 (1.5 tokens per 70 ms) loses to 1 per 44 ms
