@@ -77,3 +77,28 @@ def test_a_packed_module_deep_copies_without_its_packed_weights():
     x = torch.randn(3, 4)
     with torch.no_grad():
         torch.testing.assert_close(clone(x), module(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (1, 1, 64), (1, 2, 64)])
+def test_zero_padded_calls_give_the_same_bits_and_shape(monkeypatch, shape):
+    """Calls with too few rows run padded to a faster row count; the real rows are unchanged."""
+    from codraft.models import linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True)
+    pack_linears(layer)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        monkeypatch.setattr(linear, "_row_padding", {})
+        plain = layer(x)
+        monkeypatch.setattr(linear, "_row_padding", {1: 4, 2: 4})
+        padded = layer(x)
+    assert padded.shape == plain.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(padded, plain, rtol=0, atol=0)
+
+
+def test_row_padding_only_pads_up_to_a_bounded_row_count():
+    from codraft.models.linear import row_padding
+
+    padding = row_padding()
+    assert all(1 <= rows < padded <= 8 for rows, padded in padding.items())
