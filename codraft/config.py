@@ -271,7 +271,8 @@ class BenchConfig:
     num_speculative_tokens: int = 4
     seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # bench attention
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
-    draft_prompts: int = 16  # bench draft: held-out arithmetic prompts for the acceptance measurement
+    draft_prompts: int = 16  # bench draft: held-out task prompts (arithmetic or chain) for the measurement
+    stop_tokens: bool = False  # bench draft speed runs: rows end at EOS as in RL rollouts (else all emit max tokens)
     draft_root: str | None = None  # bench e2e: a directory with <family>/ exported warm-start drafts
 
     def validate(self) -> None:

@@ -1,13 +1,15 @@
-"""`codraft bench draft`: a trained draft's acceptance on held-out arithmetic prompts and its rollout speedup.
+"""`codraft bench draft`: a trained draft's acceptance on held-out task prompts and its rollout speedup.
 
 Acceptance: tau and per-position acceptance at k = 7 (EAGLE-3) or one block (DFlash/DSpark: block 8 => k = 7),
 greedy and at temperature 1, with the real rollout engine (stop tokens on, as in RL rollouts).
 Speedup: plain decoding against speculative decoding with the draft, adaptive k (what `generate` and `train`
 use; one controller per batch size and temperature kept across repeats, as the trainer keeps one across steps)
 and beside it the fixed k, per batch size, greedy and at temperature 1, on the same prompts with the same
-max_new_tokens (stop tokens off, so every run emits the same number of tokens), medians of interleaved repeats
-after one warm-up run of each. Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's
-chain, per block for DFlash/DSpark) at fixed k, as a share of a plain decode step at the same batch.
+max_new_tokens (stop tokens off by default, so every run emits the same number of tokens; `bench.stop_tokens=true`
+ends rows at EOS as RL rollouts do: greedy runs still emit the same tokens, sampled ones the same distribution,
+and speedups are ratios of tokens per second), medians of interleaved repeats after one warm-up run of each.
+Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
+at fixed k, as a share of a plain decode step at the same batch.
 """
 
 from __future__ import annotations
@@ -33,16 +35,17 @@ log = logging.getLogger(__name__)
 
 def bench_draft(cfg: Config) -> dict:
     """The draft of bench.draft_path (or one trained for draft_train.steps) on bench.draft_prompts held-out prompts."""
-    if cfg.task.kind != "arithmetic":
-        raise ConfigError(f"bench draft measures on held-out arithmetic prompts: task.kind must be arithmetic "
-                          f"(got {cfg.task.kind})")
+    if cfg.task.kind not in ("arithmetic", "chain"):
+        raise ConfigError(f"bench draft measures on held-out generated prompts: task.kind must be arithmetic or "
+                          f"chain (got {cfg.task.kind})")
     b = cfg.bench
     policy, tokenizer = load_policy(cfg)
     train_prompts, held_out = split_prompts(cfg, tokenizer, b.draft_prompts)
     draft, training = bench_subject(cfg, policy, tokenizer, train_prompts)
     return run_draft_bench(policy, draft, held_out, k=eval_k(draft.cfg, cfg.draft_train.eval_k),
                            batch_sizes=b.batch_sizes, max_new_tokens=b.max_new_tokens, repeats=b.repeats,
-                           out_dir=b.out_dir, training=training)
+                           out_dir=b.out_dir, training=training | {"task": cfg.task.kind},
+                           stop_tokens=b.stop_tokens)
 
 
 def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
@@ -65,9 +68,9 @@ def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
 
 
 def speed_runs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], k: int,
-               max_new_tokens: int) -> dict[str, Callable[[], Rollout]]:
+               max_new_tokens: int, stop_tokens: bool) -> dict[str, Callable[[], Rollout]]:
     """Plain (`ar_t*`), adaptive (`spec_t*`) and fixed-k (`fixed_t*`) decoding of the same prompts per temperature."""
-    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=[], seed=0)
+    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=None if stop_tokens else [], seed=0)
     runs = {}
     for t in EVAL_TEMPERATURES:
         controller = SpeculationController(k)
@@ -91,17 +94,17 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
 
 
 def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, k: int,
-                    max_new_tokens: int, repeats: int) -> dict:
-    times, outputs = interleaved(speed_runs(policy, draft, prompts, k, max_new_tokens), repeats)
-    tokens = len(prompts) * max_new_tokens
-    result = {"batch": len(prompts), "times_s": times,
-              "tokens_per_s": {name: tokens / median(ts) for name, ts in times.items()},
+                    max_new_tokens: int, repeats: int, stop_tokens: bool = False) -> dict:
+    times, outputs = interleaved(speed_runs(policy, draft, prompts, k, max_new_tokens, stop_tokens), repeats)
+    # every repeat of a run emits the same tokens (seeded); with stop tokens on, sampled runs differ in length
+    tps = {name: outputs[name].stats.tokens_generated / median(ts) for name, ts in times.items()}
+    result = {"batch": len(prompts), "times_s": times, "tokens_per_s": tps,
               "greedy_tokens_identical": all(outputs[f"{v}_t0"].tokens == outputs["ar_t0"].tokens
                                              for v in ("spec", "fixed"))}
     for t in EVAL_TEMPERATURES:
         for variant in ("spec", "fixed"):
             run = outputs[f"{variant}_t{t:g}"]
-            result[f"{variant}_speedup_t{t:g}"] = median(times[f"ar_t{t:g}"]) / median(times[f"{variant}_t{t:g}"])
+            result[f"{variant}_speedup_t{t:g}"] = tps[f"{variant}_t{t:g}"] / tps[f"ar_t{t:g}"]
             result[f"{variant}_tau_t{t:g}"] = run.stats.acceptance_length
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
@@ -114,12 +117,14 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
 
 def run_draft_bench(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, k: int,
                     batch_sizes: list[int], max_new_tokens: int, repeats: int, out_dir: str,
-                    training: dict) -> dict:
+                    training: dict, stop_tokens: bool = False) -> dict:
     """`prompts` are held out from the draft's training; `training` says where the draft came from."""
     acceptance = measure_acceptance(policy, draft, prompts, k=k, max_new_tokens=max_new_tokens, seed=0)
     speed = [measure_speedup(policy, draft, [prompts[i % len(prompts)] for i in range(batch)], k=k,
-                             max_new_tokens=max_new_tokens, repeats=repeats) for batch in batch_sizes]
+                             max_new_tokens=max_new_tokens, repeats=repeats, stop_tokens=stop_tokens)
+             for batch in batch_sizes]
     payload = {"machine": machine(), "family": draft.family, "k": k, "max_new_tokens": max_new_tokens,
+               "stop_tokens": stop_tokens,
                "repeats": repeats, "training": training, "acceptance": acceptance, "speedup": speed}
     write_results(out_dir, f"draft_{draft.family}", payload, tables(payload))
     return payload
@@ -131,7 +136,8 @@ def tables(payload: dict) -> str:
              " ".join(f"{r:.2f}" for r in acceptance[f"temperature_{t:g}"]["accept_rate_per_position"])]
             for t in EVAL_TEMPERATURES]
     text = markdown_table(["temperature", "k", "tau", "acceptance per position"], rows)
-    text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out arithmetic prompts, " \
+    task = payload["training"].get("task", "arithmetic")
+    text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out {task} prompts, " \
             f"{payload['max_new_tokens']} new tokens at most.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
     rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],
@@ -141,6 +147,7 @@ def tables(payload: dict) -> str:
     text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "adaptive tau",
                             "adaptive k used", f"k={k} speedup", f"k={k} tau", f"draft cost / decode step (per {unit})",
                             "greedy tokens identical"], rows)
-    text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row (stop " \
-            f"tokens off), medians of {payload['repeats']} interleaved repeats.\n"
+    stops = "stop tokens on: rows end at EOS" if payload.get("stop_tokens") else "stop tokens off"
+    text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row at most " \
+            f"({stops}), speedup = tokens/s ratio, medians of {payload['repeats']} interleaved repeats.\n"
     return text

@@ -29,7 +29,20 @@ def test_bench_draft_loads_a_draft_dir_and_checks_its_family(tmp_path, capsys):
     assert main(["draft-train", *TINY, "draft_train.held_out_prompts=1", "draft_train.eval_max_new_tokens=2",
                  f"run.dir={run}"]) == 0
     assert main(["bench", "draft", *TINY, f"bench.draft_path={run / 'draft'}", f"bench.out_dir={tmp_path}"]) == 0
-    assert json.loads((tmp_path / "draft_eagle3.json").read_text())["training"] == {"draft_path": str(run / "draft")}
+    training = json.loads((tmp_path / "draft_eagle3.json").read_text())["training"]
+    assert training == {"draft_path": str(run / "draft"), "task": "arithmetic"}
     capsys.readouterr()
     assert main(["bench", "draft", *TINY, f"bench.draft_path={run / 'draft'}", "draft.family=dspark"]) == 2
     assert "holds a eagle3 draft but draft.family=dspark" in capsys.readouterr().err
+
+
+def test_bench_draft_on_the_chain_task_with_stop_tokens(tmp_path):
+    """Rows end at EOS as in RL rollouts: greedy outputs still identical, speedups from tokens per second."""
+    assert main(["bench", "draft", *TINY, "task.kind=chain", "task.chain_max_terms=6", "bench.stop_tokens=true",
+                 "bench.batch_sizes=[2]", f"bench.out_dir={tmp_path}"]) == 0
+    result = json.loads((tmp_path / "draft_eagle3.json").read_text())
+    assert result["stop_tokens"] and result["training"]["task"] == "chain"
+    (speed,) = result["speedup"]
+    assert speed["greedy_tokens_identical"] and speed["spec_speedup_t0"] > 0
+    text = (tmp_path / "draft_eagle3.md").read_text()
+    assert "held-out chain prompts" in text and "stop tokens on" in text
