@@ -4,7 +4,8 @@ Acceptance: tau and per-position acceptance at k = 7 (EAGLE-3) or one block (DFl
 greedy and at temperature 1, with the real rollout engine (stop tokens on, as in RL rollouts).
 Speedup: plain decoding against speculative decoding with the draft, adaptive k (what `generate` and `train`
 use; one controller per batch size and temperature kept across repeats, as the trainer keeps one across steps)
-and beside it the fixed k, per batch size, greedy and at temperature 1, on the same prompts with the same
+and beside it the fixed k, per batch size, greedy and at temperature 1, on the same prompts (up to
+SPEED_GROUPS batches of held-out prompts one after the other, so batch 1 is not one prompt's luck) with the same
 max_new_tokens (stop tokens off by default, so every run emits the same number of tokens; `bench.stop_tokens=true`
 ends rows at EOS as RL rollouts do: greedy runs still emit the same tokens, sampled ones the same distribution,
 and speedups are ratios of tokens per second), medians of interleaved repeats after one warm-up run of each.
@@ -28,9 +29,11 @@ from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptanc
 from codraft.drafts.export import check_family, load_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
-from codraft.rollout import Rollout, SpeculationController, generate
+from codraft.rollout import Rollout, RolloutStats, SpeculationController, generate
 
 log = logging.getLogger(__name__)
+
+SPEED_GROUPS = 4  # batches of distinct held-out prompts per timed run
 
 
 def bench_draft(cfg: Config) -> dict:
@@ -67,19 +70,34 @@ def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
     return distiller.draft, training
 
 
-def speed_runs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], k: int,
+def prompt_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """Up to SPEED_GROUPS batches of `batch` prompts, distinct while the held-out prompts last (then cycled)."""
+    n = max(1, min(SPEED_GROUPS, len(prompts) // batch))
+    return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(n)]
+
+
+def in_turn(groups: list[list[list[int]]], run: Callable[[list[list[int]]], Rollout]) -> Rollout:
+    """`run` on each group one after the other, as one Rollout (rows in order, stats added)."""
+    rollouts = [run(group) for group in groups]
+    stats = RolloutStats()
+    for r in rollouts:
+        stats.merge(r.stats)
+    return Rollout(*(sum((getattr(r, name) for r in rollouts), []) for name in
+                     ("prompts", "tokens", "logprobs", "finish_reasons")), stats)
+
+
+def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[int]]], k: int,
                max_new_tokens: int, stop_tokens: bool) -> dict[str, Callable[[], Rollout]]:
     """Plain (`ar_t*`), adaptive (`spec_t*`) and fixed-k (`fixed_t*`) decoding of the same prompts per temperature."""
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=None if stop_tokens else [], seed=0)
     runs = {}
     for t in EVAL_TEMPERATURES:
         controller = SpeculationController(k)
-        runs[f"ar_t{t:g}"] = lambda t=t: generate(policy, prompts, temperature=t, **common)
-        runs[f"spec_t{t:g}"] = lambda t=t, c=controller: generate(
-            policy, prompts, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=c, **common)
-        runs[f"fixed_t{t:g}"] = lambda t=t: generate(
-            policy, prompts, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False,
-            **common)
+        runs[f"ar_t{t:g}"] = lambda t=t: in_turn(groups, lambda p: generate(policy, p, temperature=t, **common))
+        runs[f"spec_t{t:g}"] = lambda t=t, c=controller: in_turn(groups, lambda p: generate(
+            policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=c, **common))
+        runs[f"fixed_t{t:g}"] = lambda t=t: in_turn(groups, lambda p: generate(
+            policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False, **common))
     return runs
 
 
@@ -93,12 +111,13 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
     return spec.stats.time_draft_s / per / decode_s
 
 
-def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, k: int,
+def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, batch: int, k: int,
                     max_new_tokens: int, repeats: int, stop_tokens: bool = False) -> dict:
-    times, outputs = interleaved(speed_runs(policy, draft, prompts, k, max_new_tokens, stop_tokens), repeats)
+    groups = prompt_groups(prompts, batch)
+    times, outputs = interleaved(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens), repeats)
     # every repeat of a run emits the same tokens (seeded); with stop tokens on, sampled runs differ in length
     tps = {name: outputs[name].stats.tokens_generated / median(ts) for name, ts in times.items()}
-    result = {"batch": len(prompts), "times_s": times, "tokens_per_s": tps,
+    result = {"batch": batch, "prompt_groups": len(groups), "times_s": times, "tokens_per_s": tps,
               "greedy_tokens_identical": all(outputs[f"{v}_t0"].tokens == outputs["ar_t0"].tokens
                                              for v in ("spec", "fixed"))}
     for t in EVAL_TEMPERATURES:
@@ -109,7 +128,7 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")
-    log.info("batch %d: adaptive speedup %.2fx (t=0), %.2fx (t=1); fixed k %.2fx, %.2fx", len(prompts),
+    log.info("batch %d: adaptive speedup %.2fx (t=0), %.2fx (t=1); fixed k %.2fx, %.2fx", batch,
              result["spec_speedup_t0"], result["spec_speedup_t1"], result["fixed_speedup_t0"],
              result["fixed_speedup_t1"])
     return result
@@ -120,9 +139,8 @@ def run_draft_bench(policy: Transformer, draft: DraftModel, prompts: list[list[i
                     training: dict, stop_tokens: bool = False) -> dict:
     """`prompts` are held out from the draft's training; `training` says where the draft came from."""
     acceptance = measure_acceptance(policy, draft, prompts, k=k, max_new_tokens=max_new_tokens, seed=0)
-    speed = [measure_speedup(policy, draft, [prompts[i % len(prompts)] for i in range(batch)], k=k,
-                             max_new_tokens=max_new_tokens, repeats=repeats, stop_tokens=stop_tokens)
-             for batch in batch_sizes]
+    speed = [measure_speedup(policy, draft, prompts, batch=batch, k=k, max_new_tokens=max_new_tokens,
+                             repeats=repeats, stop_tokens=stop_tokens) for batch in batch_sizes]
     payload = {"machine": machine(), "family": draft.family, "k": k, "max_new_tokens": max_new_tokens,
                "stop_tokens": stop_tokens,
                "repeats": repeats, "training": training, "acceptance": acceptance, "speedup": speed}
@@ -149,5 +167,6 @@ def tables(payload: dict) -> str:
                             "greedy tokens identical"], rows)
     stops = "stop tokens on: rows end at EOS" if payload.get("stop_tokens") else "stop tokens off"
     text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row at most " \
-            f"({stops}), speedup = tokens/s ratio, medians of {payload['repeats']} interleaved repeats.\n"
+            f"({stops}), speedup = tokens/s ratio, medians of {payload['repeats']} interleaved repeats; each timed " \
+            f"run decodes up to {SPEED_GROUPS} batches of distinct held-out prompts one after the other.\n"
     return text

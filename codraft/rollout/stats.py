@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -47,6 +47,13 @@ class RolloutStats:
         for i, (p, a) in enumerate(zip(proposed, accepted, strict=True)):
             self.proposed_per_position[i] += p
             self.accepted_per_position[i] += a
+
+    def merge(self, other: RolloutStats) -> None:
+        """Add `other`'s counts, choices and times to these (several generate calls measured as one)."""
+        for f in fields(self):
+            if f.name not in ("proposed_per_position", "accepted_per_position"):
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.count_positions(other.proposed_per_position, other.accepted_per_position)
 
     def summary(self) -> dict[str, float]:
         out = {
