@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def user_error(e: ConfigError, debug: bool) -> int:
-    """One line on stderr, the traceback only when debugging; exit code 2."""
+    """One line on stderr, the traceback only when debugging; exit code 2 (or the error's own `exit_code`: 1 for a
+    rank that timed out waiting for another)."""
     if debug:
         traceback.print_exception(e)
     print(f"codraft: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
-    return 2
+    return getattr(e, "exit_code", 2)

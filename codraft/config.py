@@ -104,12 +104,13 @@ class ParallelConfig:
     pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
     pp_microbatches: int = 0  # groups of whole sequences per pipeline step; 0 = 2 * pp
     tap_transport: Literal["auto", "shm", "pg", "host_staging"] = "auto"  # TapChannel; host_staging: blocking baseline
+    timeout_s: float = 120.0  # bound of every wait on another rank (group setup, collectives, TapChannel)
 
     def validate(self) -> None:
         for name in ("dp", "pp", "cp"):
             require(getattr(self, name) >= 1, f"parallel.{name}", ">= 1", getattr(self, name))
         require(self.pp_microbatches >= 0, "parallel.pp_microbatches", ">= 0 (0 = 2 * pp)", self.pp_microbatches)
-
+        require(self.timeout_s > 0, "parallel.timeout_s", "> 0 (seconds)", self.timeout_s)
 
 
 DRAFT_FAMILIES = ("eagle3", "dflash", "dspark")
