@@ -40,7 +40,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 # commands that take one positional choice, mapped onto a config key
 POSITIONALS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "bench": ("bench.benchmark", ("rollout", "attention", "draft", "e2e", "tapchannel")),
+    "bench": ("bench.benchmark", ("rollout", "attention", "draft", "e2e", "tapchannel", "soak")),
 }
 
 

@@ -264,7 +264,7 @@ class CheckpointConfig:
 
 @dataclass
 class BenchConfig:
-    benchmark: Literal["rollout", "attention", "draft", "e2e", "tapchannel"] = "rollout"
+    benchmark: Literal["rollout", "attention", "draft", "e2e", "tapchannel", "soak"] = "rollout"
     out_dir: str = "results"
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
     max_new_tokens: int = 48
@@ -274,6 +274,7 @@ class BenchConfig:
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
     draft_prompts: int = 16  # bench draft: held-out arithmetic prompts for the acceptance measurement
     draft_root: str | None = None  # bench e2e: a directory with <family>/ exported warm-start drafts
+    soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
 
     def validate(self) -> None:
         if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():
