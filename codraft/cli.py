@@ -40,7 +40,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 }
 # commands that take one positional choice, mapped onto a config key
 POSITIONALS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "bench": ("bench.benchmark", ("rollout", "attention", "draft", "e2e", "tapchannel")),
+    "bench": ("bench.benchmark", ("rollout", "attention", "draft", "e2e", "tapchannel", "soak")),
 }
 
 
@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def user_error(e: ConfigError, debug: bool) -> int:
-    """One line on stderr, the traceback only when debugging; exit code 2."""
+    """One line on stderr, the traceback only when debugging; exit code 2 (or the error's own `exit_code`: 1 for a
+    rank that timed out waiting for another)."""
     if debug:
         traceback.print_exception(e)
     print(f"codraft: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
-    return 2
+    return getattr(e, "exit_code", 2)

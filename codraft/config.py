@@ -104,12 +104,13 @@ class ParallelConfig:
     pp_schedule: Literal["1F1B", "GPipe"] = "1F1B"
     pp_microbatches: int = 0  # groups of whole sequences per pipeline step; 0 = 2 * pp
     tap_transport: Literal["auto", "shm", "pg", "host_staging"] = "auto"  # TapChannel; host_staging: blocking baseline
+    timeout_s: float = 120.0  # bound of every wait on another rank (group setup, collectives, TapChannel)
 
     def validate(self) -> None:
         for name in ("dp", "pp", "cp"):
             require(getattr(self, name) >= 1, f"parallel.{name}", ">= 1", getattr(self, name))
         require(self.pp_microbatches >= 0, "parallel.pp_microbatches", ">= 0 (0 = 2 * pp)", self.pp_microbatches)
-
+        require(self.timeout_s > 0, "parallel.timeout_s", "> 0 (seconds)", self.timeout_s)
 
 
 DRAFT_FAMILIES = ("eagle3", "dflash", "dspark")
@@ -263,7 +264,7 @@ class CheckpointConfig:
 
 @dataclass
 class BenchConfig:
-    benchmark: Literal["rollout", "attention", "draft", "e2e", "tapchannel"] = "rollout"
+    benchmark: Literal["rollout", "attention", "draft", "e2e", "tapchannel", "soak"] = "rollout"
     out_dir: str = "results"
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 32])
     max_new_tokens: int = 48
@@ -274,6 +275,7 @@ class BenchConfig:
     draft_prompts: int = 16  # bench draft: held-out task prompts (arithmetic or chain) for the measurement
     stop_tokens: bool = False  # bench draft speed runs: rows end at EOS as in RL rollouts (else all emit max tokens)
     draft_root: str | None = None  # bench e2e: a directory with <family>/ exported warm-start drafts
+    soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
 
     def validate(self) -> None:
         if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():

@@ -13,7 +13,7 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -44,8 +44,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-                pg_timeout: float = 30.0) -> list[Any]:
-    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; fn must be importable (top-level)."""
+                pg_timeout: float = 30.0, awaited: Collection[int] | None = None) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` gloo ranks; fn must be importable (top-level). Only the
+    results of the `awaited` ranks (default: all) are waited for and returned; once they are in, the other ranks
+    are SIGKILLed, which also ends a rank the test froze with SIGSTOP."""
+    awaited = range(world_size) if awaited is None else sorted(awaited)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -56,7 +59,7 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     outcomes: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in range(world_size):
+        while any(r not in outcomes for r in awaited):
             try:
                 rank, ok, value = results.get(timeout=timeout)
             except queue.Empty:
@@ -67,11 +70,13 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
                 errors.append(f"rank {rank}:\n{value}")
                 break  # one failure is enough; the others may be stuck waiting for it
     finally:
-        for p in procs:
+        for rank, p in enumerate(procs):
+            if rank not in awaited:
+                p.kill()
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
                 p.join()
     if errors:
         raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
-    return [outcomes[r] for r in range(world_size)]
+    return [outcomes[r] for r in awaited]

@@ -78,7 +78,14 @@ def _tapchannel(cfg: Config) -> None:
     run_tapchannel_bench(cfg.bench.out_dir, repeats=cfg.bench.repeats)
 
 
-BENCHMARKS = {"rollout": _rollout, "attention": _attention, "draft": _draft, "e2e": _e2e, "tapchannel": _tapchannel}
+def _soak(cfg: Config) -> None:
+    from codraft.bench.soak import run_soak_bench
+
+    run_soak_bench(cfg, cfg.bench.out_dir, runs_dir=cfg.run.dir or "runs/soak")
+
+
+BENCHMARKS = {"rollout": _rollout, "attention": _attention, "draft": _draft, "e2e": _e2e, "tapchannel": _tapchannel,
+              "soak": _soak}
 
 
 def main(cfg: Config) -> int:

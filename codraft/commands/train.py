@@ -12,6 +12,7 @@ from codraft.parallel.cp_train import sharding_for
 from codraft.parallel.launch import launched, relaunch
 from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
 from codraft.rl.resume import resumable_checkpoint
+from codraft.rl.sharding import Sharding
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,13 @@ def main(cfg: Config) -> int:
         return relaunch(cfg, "train", p.dp * p.pp * p.cp)
     pipelined = p.pp > 1  # parallel/pp_train.py: the update is a pipeline step over this rank's stage
     sharding = pipeline_sharding(cfg) if pipelined else sharding_for(cfg)
-    trainer = (PipelineTrainer if pipelined else Trainer)(cfg, None, sharding)  # loads and checks every input
+    with sharding.watch():  # a rank that stalls fails the others with one line naming it
+        return train(cfg, sharding, PipelineTrainer if pipelined else Trainer)
+
+
+def train(cfg: Config, sharding: Sharding, trainer_class: type[Trainer]) -> int:
+    """The steps from the checkpoint resumed (or 0) to rl.steps; the exit code (128 + a signal that stopped it)."""
+    trainer = trainer_class(cfg, None, sharding)  # loads and checks every input
     run_dir = trainer.run_dir = sharding.prepare_run_dir(cfg)  # only now: a refused run leaves nothing on disk
     writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
     history: list[dict] = []

@@ -104,6 +104,6 @@ def sharding_for(cfg: Config) -> Sharding:
         raise ConfigError(f"parallel.dp={p.dp} runs with parallel.pp > 1 for now (got pp=1)")
     if p.cp == 1:
         return Sharding()
-    _, world_size = init_distributed()
+    _, world_size = init_distributed(p.timeout_s)
     dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # cp must equal the world size: same error on every rank
-    return ContextParallel(dims.build())
+    return ContextParallel(dims.build(p.timeout_s))

@@ -4,7 +4,8 @@ global rank 0 alone write metrics and checkpoints."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 
 from codraft.models.linear import unpack_linears
 from codraft.parallel.mesh import ParallelDims
+from codraft.parallel.rollcall import is_peer_fault
 from codraft.rl.sharding import Sharding
 
 
@@ -46,6 +48,17 @@ class GroupSharding(Sharding):
         t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t)
+
+    @contextmanager
+    def watch(self) -> Iterator[None]:
+        """A wait on other ranks that timed out or lost its peer becomes a one-line RankTimeout naming the ranks
+        that do not answer a roll call (rollcall.py)."""
+        try:
+            yield
+        except Exception as e:
+            if not is_peer_fault(e):
+                raise
+            raise self.dims.roll_call.error(e) from e
 
     def prepare_run_dir(self, cfg) -> Path:
         """Rank 0 creates the run directory; the others take its path (run.dir may be a fresh timestamp)."""

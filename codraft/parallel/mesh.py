@@ -19,19 +19,20 @@ import torch
 import torch.distributed as dist
 
 from codraft.config import ConfigError
+from codraft.parallel.rollcall import RankTimeout, RollCall
 
 log = logging.getLogger(__name__)
 
 DIMS = ("dp", "pp", "cp")
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float) -> tuple[int, int]:
     """Initialise the default process group from torchrun's env vars; returns (rank, world_size).
 
     Without WORLD_SIZE (a plain `python` run) nothing is initialised and (0, 1) is returned. NCCL on
-    CUDA (each process on cuda:LOCAL_RANK), gloo on CPU. Every collective is bounded by timeout_s: a
-    rank that died or diverged fails its peers with a timeout error instead of hanging them
-    (NCCL needs TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default in recent torch).
+    CUDA (each process on cuda:LOCAL_RANK), gloo on CPU. The rendezvous and every collective are bounded
+    by timeout_s (parallel.timeout_s): a rank that died or stalled fails its peers with a timeout error
+    instead of hanging them (NCCL needs TORCH_NCCL_ASYNC_ERROR_HANDLING, on by default in recent torch).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -42,7 +43,11 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except dist.DistStoreError as e:  # "Timed out after 5 seconds waiting for clients. 1/2 clients joined."
+        raise RankTimeout(f"rank {rank}: the process group of {world_size} ranks did not form within "
+                          f"parallel.timeout_s={timeout_s:g} s: {' '.join(str(e).split())}") from e
     log.info("rank %d/%d initialised (%s, collective timeout %.0fs)", rank, world_size, backend, timeout_s)
     return rank, world_size
 
@@ -65,6 +70,7 @@ class ParallelDims:
             )
         self.dp, self.pp, self.cp, self.world_size = dp, pp, cp, world_size
         self._groups: dict[str, dist.ProcessGroup | None] | None = None
+        self.roll_call: RollCall | None = None  # after build(), with more than one rank
         self._usp: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
     def __repr__(self) -> str:
@@ -92,8 +98,8 @@ class ParallelDims:
     # --- the groups (collective) ---
 
     def build(self, timeout_s: float | None = None) -> ParallelDims:
-        """Create the dp, pp and cp process groups. Every rank must call it; the default group must exist
-        unless world_size == 1 (then every group is None and every rank 0)."""
+        """Create the dp, pp and cp process groups and the roll call's (rollcall.py). Every rank must call it;
+        the default group must exist unless world_size == 1 (then every group is None and every rank 0)."""
         if self.world_size == 1 and not dist.is_initialized():
             self._groups = dict.fromkeys(DIMS)
             return self
@@ -107,6 +113,7 @@ class ParallelDims:
                 group = dist.new_group(list(ranks), timeout=timeout)
                 if me in ranks:
                     self._groups[dim] = group
+        self.roll_call = RollCall(dist.default_pg_timeout.total_seconds() if timeout_s is None else timeout_s)
         log.info("%s: rank %d is %s", self, me, self.coords(me))
         return self
 

@@ -129,9 +129,9 @@ def pipeline_sharding(cfg: Config) -> PipelineParallel:
         # a replica whose groups were all filtered out would skip the update its peers wait in
         raise ConfigError(f"rl.filter_zero_variance=true is not supported with parallel.dp={p.dp} and "
                           f"parallel.pp={p.pp} yet: set it to false")
-    _, world_size = init_distributed()
+    _, world_size = init_distributed(p.timeout_s)
     dims = ParallelDims(p.dp, p.pp, p.cp, world_size)  # dp * pp * cp = the world size: same error everywhere
-    return PipelineParallel(dims.build())
+    return PipelineParallel(dims.build(p.timeout_s))
 
 
 class PipelineTrainer(Trainer):
@@ -213,7 +213,7 @@ class PipelineTrainer(Trainer):
         dtype = next(self.stage.parameters()).dtype
         spec = TapSpec(tokens, self.policy.args.hidden_size, dtype, self.device.type)
         return TapChannel(self.tap_sources, spec, group=self.group, schedule=p.pp_schedule,
-                          n_microbatches=self.n_microbatches, transport=p.tap_transport)
+                          n_microbatches=self.n_microbatches, transport=p.tap_transport, timeout_s=p.timeout_s)
 
     def _pipeline_step(self, module: StageModule, ids: torch.Tensor | None) -> dict | None:
         """Forward + backward over all microbatches, clip over the pipeline, optimizer steps. Returns the step's

@@ -9,6 +9,7 @@ whole batch, nothing to reduce. `codraft.parallel.cp_train` is the context-paral
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,3 +95,7 @@ class Sharding:
     def anyone(self, flag: bool) -> bool:
         """True when `flag` holds on any rank of the run (collective over all of them)."""
         return flag
+
+    def watch(self) -> AbstractContextManager:
+        """Around the run: a wait on another rank that fails becomes one error naming that rank (none here)."""
+        return nullcontext()

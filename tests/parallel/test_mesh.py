@@ -34,7 +34,7 @@ def test_single_process_needs_no_process_group():
     dims = ParallelDims(1, 1, 1, 1).build()
     assert not dist.is_initialized()
     assert dims.cp_group is None and (dims.dp_rank, dims.pp_rank, dims.cp_rank) == (0, 0, 0)
-    assert init_distributed() == (0, 1)
+    assert init_distributed(timeout_s=20) == (0, 1)
 
 
 def _job(rank, world_size):

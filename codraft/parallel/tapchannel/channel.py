@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import platform
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "shm", "pg", "host_staging")
 
 
-def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+def _side_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
     """A gloo group of the channel's own over `group`'s ranks in stage order, so that setup collectives and tap
     traffic never interleave with the pipeline's messages.
 
@@ -33,7 +34,8 @@ def _side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     if sum(len(ranks) for ranks in pipelines) != len(everyone):
         raise ValueError(f"TapChannel: pipeline groups {pipelines} overlap; each rank belongs to one pipeline")
     mine = everyone[dist.get_rank()]
-    groups = {ranks: dist.new_group(list(ranks), backend="gloo", sort_ranks=False) for ranks in pipelines}
+    groups = {ranks: dist.new_group(list(ranks), backend="gloo", sort_ranks=False, timeout=timedelta(seconds=timeout_s))
+              for ranks in pipelines}
     return groups[mine]
 
 
@@ -47,8 +49,8 @@ class TapChannel:
     depth: slots per source; by default `required_depth(schedule, stage, pp, n_microbatches)`.
     transport: "auto" picks "shm" for a source on the draft stage's host (x86-64, CPU taps) and "pg" otherwise;
       "host_staging" is the blocking baseline (one slot, post waits for the receive).
-    timeout_s: bound of every wait, at either end; a dead or stalled peer raises TapChannelTimeout (or, when the
-      transport notices a dead peer sooner, TapChannelError).
+    timeout_s: bound of every wait, at either end, and of the channel's own group; a dead or stalled peer raises
+      TapChannelTimeout (or, when the transport notices a dead peer sooner, TapChannelError).
 
     Numbering: microbatches count from 0 in every training step; every stage calls reset() once its posts or
     fetches of the step are done (local, no communication). The stamp holds the step, so a slot left from an
@@ -66,7 +68,7 @@ class TapChannel:
         self._check_args(depth, n_microbatches, transport)
         self.depths = {s: depth or required_depth(schedule, s, self.pp, n_microbatches) for s in self.sources}
         self._step = 0
-        self._group = _side_group(group)
+        self._group = _side_group(group, timeout_s)
         try:
             self.transports = self._choose_transports(transport)
             self.depths.update({s: 1 for s, t in self.transports.items() if t == "host_staging"})
