@@ -9,6 +9,7 @@ the dotted key and what would be valid.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -363,13 +364,26 @@ def load_config(yaml_path: str | Path | None, overrides: list[str], cls: type[C]
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{yaml_path}' is not valid YAML: {' '.join(str(e).split())}") from None
         _merge(cfg, data or {}, "")
+    _apply(cfg, overrides)
+    _check(cfg, "")
+    return cfg
+
+
+def with_overrides(cfg: C, overrides: list[str]) -> C:
+    """A copy of the loaded ``cfg`` with ``key.sub=value`` overrides applied, checked and validated as
+    ``load_config`` does (``cfg`` itself is left as it was)."""
+    out = copy.deepcopy(cfg)
+    _apply(out, overrides)
+    _check(out, "")
+    return out
+
+
+def _apply(cfg: Any, overrides: list[str]) -> None:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. generate.temperature=0.7)")
         _set(cfg, key.strip(), value)
-    _check(cfg, "")
-    return cfg
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:
