@@ -273,9 +273,16 @@ class BenchConfig:
     seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # bench attention
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
     draft_prompts: int = 16  # bench draft: held-out arithmetic prompts for the acceptance measurement
-    draft_root: str | None = None  # bench e2e: a directory with <family>/ exported warm-start drafts
+    e2e_families: list[str] = field(default_factory=lambda: list(DRAFT_FAMILIES))  # bench e2e: co-trained runs
+    e2e_frozen: str = "best"  # bench e2e: the frozen control's family; best: highest last-10 tau; none: no control
 
     def validate(self) -> None:
+        bad = [f for f in self.e2e_families if f not in DRAFT_FAMILIES]
+        require(not bad, "bench.e2e_families", f"draft families among {', '.join(DRAFT_FAMILIES)}", bad)
+        require(len(set(self.e2e_families)) == len(self.e2e_families), "bench.e2e_families", "without repeats",
+                self.e2e_families)
+        frozen = ("best", "none", *self.e2e_families)
+        require(self.e2e_frozen in frozen, "bench.e2e_frozen", f"one of {', '.join(frozen)}", self.e2e_frozen)
         if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():
             raise ConfigError(f"bench.draft_path: '{self.draft_path}' is not an exported draft directory")
         require(self.draft_prompts >= 1, "bench.draft_prompts", ">= 1", self.draft_prompts)

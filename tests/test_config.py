@@ -247,3 +247,15 @@ def test_with_overrides_builds_a_checked_copy_and_leaves_the_original(presets):
     with pytest.raises(ConfigError, match="unknown config key 'rl.draft_wieght'"):
         with_overrides(base, ["rl.draft_wieght=0"])
 
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["bench.e2e_families=[eagle3, medusa]"], "bench.e2e_families"),
+        (["bench.e2e_families=[dflash, dflash]"], "bench.e2e_families"),
+        (["bench.e2e_frozen=medusa"], "bench.e2e_frozen"),
+        (["bench.e2e_families=[dflash]", "bench.e2e_frozen=eagle3"], "bench.e2e_frozen"),
+    ],
+)
+def test_bench_e2e_variant_keys_name_the_key(presets, overrides, key):
+    assert error(overrides=overrides).startswith(f"config key '{key}' must be ")
