@@ -10,6 +10,7 @@ import statistics
 import pytest
 
 from codraft.bench import e2e
+from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
 from codraft.rl.trainer import Trainer
 from tests.drafts.test_warm_start import TINY, TINY_RL
@@ -143,3 +144,17 @@ def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path
         e2e.run_e2e_bench(with_overrides(cfg, [f"checkpoint.resume={tmp_path / 'runs' / 'eagle3'}"]),
                           tmp_path / "out", tmp_path / "runs")
     assert e2e.run_e2e_bench(cfg, tmp_path / "out", tmp_path / "runs")["history"] == history
+
+
+def test_bench_e2e_command_runs_the_bench_and_exits_as_a_signalled_run_when_stopped(tmp_path, monkeypatch):
+    args = ["bench", "e2e", *TINY, *TINY_RL, "rl.steps=1", "bench.e2e_families=[]", "bench.e2e_frozen=none",
+            f"run.dir={tmp_path / 'runs'}", f"bench.out_dir={tmp_path / 'out'}"]
+    assert main(args) == 0
+    assert (tmp_path / "out" / "e2e.md").read_text().startswith("| run | steps |")
+    assert (tmp_path / "runs" / "baseline" / e2e.DONE).is_file()
+
+    def stopped(*args, **kwargs):
+        raise e2e.Interrupted("dflash", 143)
+
+    monkeypatch.setattr(e2e, "run_e2e_bench", stopped)
+    assert main(args) == 143
