@@ -210,7 +210,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "reward_last": reward,
             "reward_last_se": se,
             "reward_diff": diff,
-            "reward_within_2se": abs(diff) <= bound if bound == bound else None,
+            "reward_within_2se": None if name == BASELINE or bound != bound else abs(diff) <= bound,
             "kl_train_inference": mean_se([r.get("kl/train_inference", math.nan) for r in rows])[0],
             "drift_last": drift[-1] if drift else math.nan,
         })
@@ -221,7 +221,7 @@ def table(summary: list[dict], cfg: Config) -> str:
     header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", "rollout share", "rollout speedup",
               "e2e speedup", f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE", "train/inference KL",
               "drift (last)"]
-    yes_no = {True: "yes", False: "no", None: "n/a"}
+    yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
     rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"], s["rollout_share"], s["rollout_speedup"],
              s["e2e_speedup"], f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
              yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]

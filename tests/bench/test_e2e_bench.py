@@ -54,6 +54,7 @@ def test_reward_is_compared_within_two_combined_standard_errors():
     assert s["baseline"]["reward_last"] == pytest.approx(0.5) and s["baseline"]["reward_last_se"] == pytest.approx(se)
     assert s["same"]["reward_diff"] == pytest.approx(0.02) and s["same"]["reward_within_2se"] is True
     assert s["better"]["reward_diff"] == pytest.approx(0.4) and s["better"]["reward_within_2se"] is False
+    assert s["baseline"]["reward_within_2se"] is None  # the reference is not tested against itself
     assert abs(s["better"]["reward_diff"]) > 2 * math.sqrt(2) * se  # the bound the test uses
 
 
@@ -72,6 +73,7 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     header, _, baseline, dspark = md.splitlines()[:4]
     assert header.startswith("| run | steps | tau first 10 | tau last 10 | rollout share | rollout speedup |")
     assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.143 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
+    assert baseline.split(" | ")[9] == "n/a"  # the baseline is the reference of the reward test
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
