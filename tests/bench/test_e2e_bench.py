@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,9 @@ def test_bench_e2e_command_runs_the_bench_and_exits_as_a_signalled_run_when_stop
 
     monkeypatch.setattr(e2e, "run_e2e_bench", stopped)
     assert main(args) == 143
+
+
+def test_the_shipped_workload_config_loads_and_asks_for_at_least_40_steps_of_long_answers():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "e2e_chain.yaml", [])
+    assert (cfg.model.path, cfg.task.kind, cfg.task.reward) == ("smollm2-135m", "chain", "final_answer")
+    assert cfg.rl.steps >= 40 and cfg.rl.max_new_tokens >= 128 and cfg.draft_train.max_new_tokens >= 128
