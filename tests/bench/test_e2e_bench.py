@@ -76,6 +76,7 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.143 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
     assert baseline.split(" | ")[9] == "n/a"  # the baseline is the reference of the reward test
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
+    assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
