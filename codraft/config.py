@@ -9,6 +9,7 @@ the dotted key and what would be valid.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -274,10 +275,17 @@ class BenchConfig:
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
     draft_prompts: int = 16  # bench draft: held-out task prompts (arithmetic or chain) for the measurement
     stop_tokens: bool = False  # bench draft speed runs: rows end at EOS as in RL rollouts (else all emit max tokens)
-    draft_root: str | None = None  # bench e2e: a directory with <family>/ exported warm-start drafts
     soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
+    e2e_families: list[str] = field(default_factory=lambda: list(DRAFT_FAMILIES))  # bench e2e: co-trained runs
+    e2e_frozen: str = "best"  # bench e2e: the frozen control's family; best: highest last-10 tau; none: no control
 
     def validate(self) -> None:
+        bad = [f for f in self.e2e_families if f not in DRAFT_FAMILIES]
+        require(not bad, "bench.e2e_families", f"draft families among {', '.join(DRAFT_FAMILIES)}", bad)
+        require(len(set(self.e2e_families)) == len(self.e2e_families), "bench.e2e_families", "without repeats",
+                self.e2e_families)
+        frozen = ("best", "none", *self.e2e_families)
+        require(self.e2e_frozen in frozen, "bench.e2e_frozen", f"one of {', '.join(frozen)}", self.e2e_frozen)
         if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():
             raise ConfigError(f"bench.draft_path: '{self.draft_path}' is not an exported draft directory")
         require(self.draft_prompts >= 1, "bench.draft_prompts", ">= 1", self.draft_prompts)
@@ -366,13 +374,26 @@ def load_config(yaml_path: str | Path | None, overrides: list[str], cls: type[C]
         except yaml.YAMLError as e:
             raise ConfigError(f"config file '{yaml_path}' is not valid YAML: {' '.join(str(e).split())}") from None
         _merge(cfg, data or {}, "")
+    _apply(cfg, overrides)
+    _check(cfg, "")
+    return cfg
+
+
+def with_overrides(cfg: C, overrides: list[str]) -> C:
+    """A copy of the loaded ``cfg`` with ``key.sub=value`` overrides applied, checked and validated as
+    ``load_config`` does (``cfg`` itself is left as it was)."""
+    out = copy.deepcopy(cfg)
+    _apply(out, overrides)
+    _check(out, "")
+    return out
+
+
+def _apply(cfg: Any, overrides: list[str]) -> None:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. generate.temperature=0.7)")
         _set(cfg, key.strip(), value)
-    _check(cfg, "")
-    return cfg
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from codraft.config import Config, ConfigError, config_to_dict, load_config, require, save_config
+from codraft.config import Config, ConfigError, config_to_dict, load_config, require, save_config, with_overrides
 
 
 @pytest.fixture
@@ -235,3 +235,27 @@ def test_save_config_round_trip(presets, tmp_path):
 def test_chain_task_keys_are_checked_only_for_the_chain_task(presets, overrides, key):
     assert error(overrides=["task.kind=chain", *overrides]).startswith(f"config key '{key}' must be ")
     load_config(None, overrides)  # other kinds ignore the chain keys (arithmetic accepts '*')
+
+
+def test_with_overrides_builds_a_checked_copy_and_leaves_the_original(presets):
+    base = load_config(None, ["rl.steps=7"])
+    cfg = with_overrides(base, ["draft.family=none", "rl.draft_weight=0"])
+    assert (cfg.draft.family, cfg.rl.draft_weight, cfg.rl.steps) == ("none", 0.0, 7)
+    assert isinstance(cfg.rl.draft_weight, float) and base == load_config(None, ["rl.steps=7"])
+    with pytest.raises(ConfigError, match=r"^config key 'rl.draft_weight' must be >= 0 \(got -1.0\)$"):
+        with_overrides(base, ["rl.draft_weight=-1"])
+    with pytest.raises(ConfigError, match="unknown config key 'rl.draft_wieght'"):
+        with_overrides(base, ["rl.draft_wieght=0"])
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["bench.e2e_families=[eagle3, medusa]"], "bench.e2e_families"),
+        (["bench.e2e_families=[dflash, dflash]"], "bench.e2e_families"),
+        (["bench.e2e_frozen=medusa"], "bench.e2e_frozen"),
+        (["bench.e2e_families=[dflash]", "bench.e2e_frozen=eagle3"], "bench.e2e_frozen"),
+    ],
+)
+def test_bench_e2e_variant_keys_name_the_key(presets, overrides, key):
+    assert error(overrides=overrides).startswith(f"config key '{key}' must be ")

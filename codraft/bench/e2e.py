@@ -1,115 +1,268 @@
 """`codraft bench e2e`: the report's end-to-end experiment at this machine's scale.
 
-Runs with the same seed, prompts and step budget:
-  baseline     no draft, plain decoding
-  eagle3/dflash/dspark   co-trained drafts (each warm-started by draft-train, then trained online)
-  frozen       the warm-started EAGLE-3 draft, never updated (lambda = 0), as the control
-and reports acceptance length, rollout speedup and end-to-end speedup against the baseline, with
-plots of reward, train/inference KL and acceptance length against step.
+Runs with the same seed, prompts and step budget (the config given, e.g. `configs/e2e_chain.yaml`):
+  baseline                 no draft, plain decoding
+  eagle3 / dflash / dspark co-trained drafts (bench.e2e_families), each warm-started from the draft cache
+                           (checkpoint.draft_init=auto, drafts/warm_start.py), then trained online
+  frozen_<family>          the same warm start, never updated (rl.draft_weight=0): the control
+                           (bench.e2e_frozen; best: the co-trained family with the highest last-10 tau)
+Every variant is the base config with a few overrides, built through the config loader and validated.
+Each trains in <run.dir>/<variant> (default runs/e2e). A variant that completed (its done marker holds this
+config) is read back, not re-run; an interrupted one resumes from its newest checkpoint.
+
+Outputs (bench.out_dir): e2e.json (every run's per-step metrics and the summary), e2e.md (the table) and
+e2e.png (reward, train/inference KL, acceptance length, rollout seconds and drift against step).
 """
 
 from __future__ import annotations
 
-import copy
+import json
 import logging
+import math
+import statistics
 from pathlib import Path
 
-from codraft.bench.report import machine, markdown_table, median, write_results
-from codraft.config import Config
-from codraft.observability import MetricsLogger
+from codraft.bench.report import machine, markdown_table, write_results
+from codraft.config import Config, ConfigError, config_to_dict, save_config, with_overrides
+from codraft.interrupt import StopOnSignal
+from codraft.jsonl import read_jsonl
+from codraft.observability import MetricsLogger, progress
+from codraft.rl.checkpoint import latest_checkpoint
+from codraft.rl.resume import resume_sections
 from codraft.rl.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-
-def run_variants(base: Config, variants: dict[str, dict], out_dir: Path) -> dict[str, list[dict]]:
-    """Train every variant (name -> {"dotted.key": value}) from the same base config; metrics per step."""
-    history: dict[str, list[dict]] = {}
-    for name, overrides in variants.items():
-        cfg = copy.deepcopy(base)
-        for key, value in overrides.items():
-            section, field = key.split(".")
-            setattr(getattr(cfg, section), field, value)
-        run_dir = out_dir / name
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg.run.dir = str(run_dir)
-        log.info("e2e: training %s (%s)", name, overrides)
-        trainer = Trainer(cfg, run_dir)
-        rows = []
-        with MetricsLogger(run_dir, tensorboard=False) as metrics:
-            while trainer.step < cfg.rl.steps:
-                row = trainer.train_step()
-                metrics.log(trainer.step, row)
-                rows.append(row | {"step": trainer.step})
-        history[name] = rows
-    return history
+BASELINE = "baseline"
+FROZEN = "frozen_"
+DONE = "e2e_done.json"  # written into a variant's run dir when all its steps are logged
+WINDOW = 10  # steps averaged for tau first/last and the reward comparison
+SKIP_FIRST = 1  # steps left out of the timings: the first warms up the engine and calibrates the controller
+MIN_ROLLOUT_SHARE = 0.4  # a baseline below it says the workload does not exercise rollout
+PANELS = (("reward/mean", "reward"), ("kl/train_inference", "train/inference KL"),
+          ("spec/acceptance_length", "acceptance length (tau)"), ("time/rollout_s", "rollout s"),
+          ("drift/kl_step0", "drift: KL to the step-0 policy"))
+REWARD_TEST = (f"reward: the last-{WINDOW} per-step mean rewards of a run and of the baseline are compared as two "
+               "independent samples; a run is within 2 SE when |difference| <= 2 * sqrt(SE_run^2 + SE_baseline^2), "
+               f"SE = stdev / sqrt({WINDOW})")
 
 
-def summarize(history: dict[str, list[dict]], skip_first: int = 1) -> list[dict]:
-    """Per run: mean tau, rollout and step time (the first step, which calibrates and warms up, excluded)."""
-    base = history["baseline"][skip_first:]
-    base_rollout = sum(r["time/rollout_s"] for r in base)
-    base_step = sum(r["time/step_s"] for r in base)
+class Interrupted(Exception):
+    """The bench was stopped by a signal after `variant` saved a checkpoint; `exit_code` as a shell reports it."""
+
+    def __init__(self, variant: str, exit_code: int):
+        super().__init__(variant)
+        self.variant, self.exit_code = variant, exit_code
+
+
+def co_trained_overrides(family: str) -> list[str]:
+    return [f"draft.family={family}", "checkpoint.draft_init=auto"]
+
+
+def frozen_overrides(family: str) -> list[str]:
+    return [*co_trained_overrides(family), "rl.draft_weight=0"]
+
+
+# --- running the variants ----------------------------------------------------------------
+
+def identity(cfg: Config) -> dict:
+    """What makes two runs of a variant the same run, by dotted key: the sections a resume must share, the seed."""
+    sections = json.loads(json.dumps(resume_sections(cfg)))  # as the marker holds them (tuples become lists)
+    return {f"{s}.{k}": v for s, keys in sections.items() for k, v in keys.items()} | {"run.seed": cfg.run.seed}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """The per-step rows of metrics.jsonl (nulls, the non-finite values, as nan)."""
+    rows = (row for _, row in read_jsonl(run_dir / "metrics.jsonl"))
+    return [{k: math.nan if v is None else v for k, v in row.items()} for row in rows]
+
+
+def run_variant(name: str, cfg: Config, run_dir: Path) -> list[dict]:
+    """Train one variant to rl.steps in `run_dir` (resuming its newest checkpoint) -> its per-step rows; a variant
+    whose done marker holds this config is read back instead."""
+    done = run_dir / DONE
+    if done.is_file():
+        saved, now = json.loads(done.read_text()), identity(cfg)
+        if saved != now:
+            differ = sorted(k for k in now.keys() | saved.keys() if saved.get(k) != now.get(k))
+            raise ConfigError(f"run.dir: {run_dir} holds a completed {name} run of another config "
+                              f"({', '.join(differ)}); give bench e2e a fresh run.dir or remove that directory")
+        log.info("e2e: %s is complete in %s; not re-run", name, run_dir)
+        return read_rows(run_dir)
+    overrides = [f"run.dir={run_dir}"]
+    try:
+        latest_checkpoint(run_dir)
+        overrides.append(f"checkpoint.resume={run_dir}")
+    except FileNotFoundError:
+        pass  # nothing saved yet: from the start
+    cfg = with_overrides(cfg, overrides)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    trainer = Trainer(cfg, run_dir)
+    log.info("e2e: training %s in %s from step %d", name, run_dir, trainer.step)
+    every = cfg.checkpoint.every
+    with StopOnSignal() as stop, MetricsLogger(run_dir, cfg.run.tensorboard, trainer.step) as metrics:
+        for _ in progress(range(trainer.step, cfg.rl.steps), desc=f"e2e {name}"):
+            row = trainer.train_step()
+            metrics.log(trainer.step, row)
+            log.info("e2e %s step %d/%d: reward %.3f  tau %.2f  rollout %.1f s  step %.1f s", name, trainer.step,
+                     cfg.rl.steps, row["reward/mean"], row["spec/acceptance_length"], row["time/rollout_s"],
+                     row["time/step_s"])
+            if stop.signum is not None:
+                break
+            if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
+                trainer.save()
+        trainer.save()
+    if stop.signum is not None:
+        raise Interrupted(name, stop.exit_code)
+    done.write_text(json.dumps(identity(cfg), indent=1) + "\n")
+    return read_rows(run_dir)
+
+
+def run_e2e_bench(base: Config, out_dir: str | Path, runs_dir: str | Path) -> dict:
+    """Every variant over `base`'s workload, then the summary, table, JSON and plot in `out_dir`."""
+    if base.checkpoint.resume is not None:
+        raise ConfigError("checkpoint.resume: bench e2e resumes each variant from its own run dir; leave it unset "
+                          f"(got {base.checkpoint.resume!r})")
+    runs_dir = Path(runs_dir)
+    b = base.bench
+    variants = {BASELINE: ["draft.family=none"]} | {f: co_trained_overrides(f) for f in b.e2e_families}
+    configs = {name: with_overrides(base, overrides) for name, overrides in variants.items()}  # all refused up front
+    history = {name: run_variant(name, cfg, runs_dir / name) for name, cfg in configs.items()}
+    frozen = best_family(history, b.e2e_families) if b.e2e_frozen == "best" else b.e2e_frozen
+    if frozen not in (None, "none"):
+        name = FROZEN + frozen
+        variants[name] = frozen_overrides(frozen)
+        history[name] = run_variant(name, with_overrides(base, variants[name]), runs_dir / name)
+    return write_outputs(history, variants, base, out_dir)
+
+
+def write_outputs(history: dict[str, list[dict]], variants: dict[str, list[str]], base: Config,
+                  out_dir: str | Path) -> dict:
+    """e2e.json, e2e.md and e2e.png from the runs' per-step rows -> the JSON payload."""
+    summary = summarize(history)
+    payload = {"machine": machine(), "workload": workload(base), "variants": variants, "reward_test": REWARD_TEST,
+               "summary": summary, "history": history}
+    write_results(out_dir, "e2e", payload, table(summary, base))
+    plot(history, Path(out_dir) / "e2e.png")
+    return payload
+
+
+def best_family(history: dict[str, list[dict]], families: list[str]) -> str | None:
+    """The co-trained family with the highest mean tau over its last WINDOW steps (None without any)."""
+    return max(families, key=lambda f: window_mean(history[f], "spec/acceptance_length", last=True), default=None)
+
+
+def workload(cfg: Config) -> dict:
+    sections = config_to_dict(cfg)
+    return {s: sections[s] for s in ("model", "task", "rl", "optim", "draft_train")} | {"seed": cfg.run.seed}
+
+
+# --- the summary -------------------------------------------------------------------------
+
+def finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if x == x]
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the finite values (nan where there are too few)."""
+    xs = finite(xs)
+    mean = statistics.fmean(xs) if xs else math.nan
+    se = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) >= 2 else math.nan
+    return mean, se
+
+
+def window_mean(rows: list[dict], key: str, last: bool) -> float:
+    picked = rows[-WINDOW:] if last else rows[:WINDOW]
+    return mean_se([r.get(key, math.nan) for r in picked])[0]
+
+
+def timed_totals(rows: list[dict], steps: set[int]) -> tuple[float, float]:
+    """Total rollout and step seconds over `steps`."""
+    picked = [r for r in rows if r["step"] in steps]
+    return sum(r["time/rollout_s"] for r in picked), sum(r["time/step_s"] for r in picked)
+
+
+def summarize(history: dict[str, list[dict]]) -> list[dict]:
+    """Per run, from its measured per-step metrics: tau first/last WINDOW, rollout share of the step, rollout and
+    end-to-end speedup (the baseline's total seconds over the run's, on the steps both ran, the first SKIP_FIRST
+    left out), last-WINDOW reward with its SE and the 2-SE comparison with the baseline, KL and the last drift."""
+    base = history[BASELINE]
+    base_reward, base_se = mean_se([r["reward/mean"] for r in base[-WINDOW:]])
     out = []
     for name, rows in history.items():
-        rows = rows[skip_first:]
-        rollout = sum(r["time/rollout_s"] for r in rows)
-        step = sum(r["time/step_s"] for r in rows)
+        steps = {r["step"] for r in rows} & {r["step"] for r in base}
+        steps = {s for s in steps if s > SKIP_FIRST}
+        rollout, step = timed_totals(rows, steps)
+        base_rollout, base_step = timed_totals(base, steps)
+        reward, se = mean_se([r["reward/mean"] for r in rows[-WINDOW:]])
+        diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
+        drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
         out.append({
             "run": name,
-            "acceptance_length": median([r["spec/acceptance_length"] for r in rows]),
-            "acceptance_length_last": rows[-1]["spec/acceptance_length"] if rows else float("nan"),
-            "rollout_speedup": base_rollout / rollout,
-            "e2e_speedup": base_step / step,
-            "reward_first": rows[0]["reward/mean"] if rows else float("nan"),
-            "reward_last5": median([r["reward/mean"] for r in rows[-5:]]),
-            "kl_train_inference": median([r.get("kl/train_inference", float("nan")) for r in rows]),
+            "steps": len(rows),
+            "timed_steps": len(steps),
+            "tau_first": window_mean(rows, "spec/acceptance_length", last=False),
+            "tau_last": window_mean(rows, "spec/acceptance_length", last=True),
+            "rollout_share": rollout / step if step else math.nan,
+            "rollout_speedup": base_rollout / rollout if rollout else math.nan,
+            "e2e_speedup": base_step / step if step else math.nan,
+            "reward_last": reward,
+            "reward_last_se": se,
+            "reward_diff": diff,
+            "reward_within_2se": None if name == BASELINE or bound != bound else abs(diff) <= bound,
+            "kl_train_inference": mean_se([r.get("kl/train_inference", math.nan) for r in rows])[0],
+            "drift_last": drift[-1] if drift else math.nan,
         })
     return out
 
 
-def plot(history: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
+def table(summary: list[dict], cfg: Config) -> str:
+    header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", "rollout share", "rollout speedup",
+              "e2e speedup", f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE", "train/inference KL",
+              "drift (last)"]
+    yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
+    rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"], s["rollout_share"], s["rollout_speedup"],
+             s["e2e_speedup"], f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
+             yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]
+    rl, task = cfg.rl, cfg.task
+    base = next(s for s in summary if s["run"] == BASELINE)
+    terms = f" ({task.chain_min_terms}-{task.chain_max_terms} terms)" if task.kind == "chain" else ""
+    notes = [
+        f"{rl.steps} steps x {rl.prompts_per_step} prompts x group {rl.group_size}, max {rl.max_new_tokens} new "
+        f"tokens, task {task.kind}{terms}, seed {cfg.run.seed}, "
+        f"model {cfg.model.path}, k {rl.num_speculative_tokens} ({'adaptive' if rl.adaptive else 'fixed'}).",
+        "Every figure is measured in these runs (no estimate): speedups are the baseline's total wall-clock seconds "
+        f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "
+        f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
+        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps.",
+        f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",
+    ]
+    if base["rollout_share"] < MIN_ROLLOUT_SHARE:
+        notes.append(f"The baseline spent {base['rollout_share']:.0%} of its step in rollout (< "
+                     f"{MIN_ROLLOUT_SHARE:.0%}): on this workload speculation has little of the step to speed up.")
+    return markdown_table(header, rows) + "\n" + "\n\n".join(notes) + "\n"
 
+
+def plot(history: dict[str, list[dict]], path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        log.warning("no plot: matplotlib is not installed (pip install 'codraft[dev]')")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("reward/mean", "reward"), ("kl/train_inference", "train/inference KL"),
-            ("spec/acceptance_length", "acceptance length (tau)")]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4))
-    for ax, (key, title) in zip(axes, keys, strict=True):
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 4))
+    for ax, (key, title) in zip(axes, PANELS, strict=True):
         for name, rows in history.items():
-            ax.plot([r["step"] for r in rows], [r.get(key, float("nan")) for r in rows], label=name)
+            points = [(r["step"], r[key]) for r in rows if r.get(key, math.nan) == r.get(key, math.nan)]
+            ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 20 else None,
+                    label=name)
         ax.set_title(title)
         ax.set_xlabel("step")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def run_e2e_bench(base: Config, draft_paths: dict[str, str], out_dir: str, runs_dir: str | Path) -> dict:
-    """draft_paths: family -> warm-started draft directory (from draft-train). Each variant trains in
-    <runs_dir>/<variant> (checkpoints stay there); only the tables and plots go to out_dir."""
-    out = Path(out_dir)
-    variants: dict[str, dict] = {"baseline": {"draft.family": "none"}}
-    for family, path in draft_paths.items():
-        variants[family] = {"draft.family": family, "checkpoint.draft_init": path}
-    if "eagle3" in draft_paths:
-        variants["frozen_eagle3"] = {"draft.family": "eagle3", "checkpoint.draft_init": draft_paths["eagle3"],
-                                     "rl.draft_weight": 0.0}
-    history = run_variants(base, variants, Path(runs_dir))
-    summary = summarize(history)
-    plot(history, out / "e2e.png")
-    header = ["run", "tau (median)", "tau (last step)", "rollout speedup", "e2e speedup", "reward first",
-              "reward last 5", "train/inference KL"]
-    rows = [[s["run"], s["acceptance_length"], s["acceptance_length_last"], s["rollout_speedup"],
-             s["e2e_speedup"], s["reward_first"], s["reward_last5"], s["kl_train_inference"]] for s in summary]
-    rl = base.rl
-    table = markdown_table(header, rows) + (
-        f"\n{rl.steps} steps x {rl.prompts_per_step} prompts x group {rl.group_size}, max {rl.max_new_tokens} new "
-        f"tokens, seed {base.run.seed}, model {base.model.path}; speedups are totals over steps 2..N against the "
-        "baseline run.\n")
-    payload = {"machine": machine(), "summary": summary, "history": history}
-    write_results(out, "e2e", payload, table)
-    return payload
+    log.info("wrote %s", path)

@@ -52,24 +52,15 @@ def _draft(cfg: Config) -> None:
     bench_draft(cfg)
 
 
-def _e2e(cfg: Config) -> None:
-    from pathlib import Path
+def _e2e(cfg: Config) -> int:
+    from codraft.bench.e2e import Interrupted, run_e2e_bench
 
-    from codraft.bench.e2e import run_e2e_bench
-    from codraft.drafts.export import is_draft_dir
-
-    root = cfg.bench.draft_root
-    if root is None:
-        raise ConfigError(
-            "bench e2e needs bench.draft_root: a directory with <family>/ exported warm-start drafts "
-            "(e.g. copies of `codraft draft-train` run dirs' draft/)"
-        )
-    drafts = {
-        f: str(Path(root) / f) for f in ("eagle3", "dflash", "dspark") if is_draft_dir(Path(root) / f)
-    }
-    if not drafts:
-        raise ConfigError(f"bench.draft_root: '{root}' holds no eagle3/, dflash/ or dspark/ exported draft")
-    run_e2e_bench(cfg, drafts, cfg.bench.out_dir, runs_dir=cfg.run.dir or "runs/e2e")
+    try:
+        run_e2e_bench(cfg, cfg.bench.out_dir, runs_dir=cfg.run.dir or "runs/e2e")
+    except Interrupted as stop:
+        log.info("bench e2e stopped in %s after a checkpoint; the same command resumes it", stop.variant)
+        return stop.exit_code
+    return 0
 
 
 def _tapchannel(cfg: Config) -> None:
@@ -92,5 +83,4 @@ def main(cfg: Config) -> int:
     name = cfg.bench.benchmark
     if name not in BENCHMARKS:
         raise ConfigError(f"bench {name} is not available yet; available: {', '.join(BENCHMARKS)}")
-    BENCHMARKS[name](cfg)
-    return 0
+    return BENCHMARKS[name](cfg) or 0

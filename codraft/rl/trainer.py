@@ -183,6 +183,7 @@ class Trainer:
             "reward/accuracy": float((finite >= 1.0).float().mean()) if finite.numel() else float("nan"),
             "reward/dropped": float(dropped),
             "response_length/mean": sum(map(len, rollout.tokens)) / len(rows),
+            "response_length/max": float(max(map(len, rollout.tokens))),  # the tail the rollout waits for
             "spec/acceptance_length": stats.acceptance_length,
             "spec/draft_tokens": float(stats.draft_tokens_proposed),
             "rollout/tokens_per_s": stats.tokens_per_s,

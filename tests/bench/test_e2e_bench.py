@@ -1,24 +1,170 @@
+"""`codraft bench e2e` (bench/e2e.py): the summary's arithmetic and outputs on synthetic per-step records, the
+skip of a completed variant, the resume of an interrupted one, and a 2-step run of every variant on tiny-llama."""
+
 import json
+import math
+import os
+import signal
+import statistics
+from pathlib import Path
 
-from codraft.bench.e2e import run_e2e_bench
-from codraft.commands.common import load_policy
-from codraft.config import load_config
-from codraft.drafts import build_draft
-from codraft.drafts.export import export_draft
+import pytest
+
+from codraft.bench import e2e
+from codraft.cli import main
+from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
+from codraft.rl.trainer import Trainer
+from tests.drafts.test_warm_start import TINY, TINY_RL
 
 
-def test_e2e_bench_runs_every_variant_and_writes_table_and_plot(tmp_path):
-    cfg = load_config(None, ["model.path=tiny-llama", "rl.steps=3", "rl.prompts_per_step=2", "rl.group_size=2",
-                             "rl.max_new_tokens=5", "rl.adaptive=false", "run.tensorboard=false"])
-    policy, tokenizer = load_policy(cfg)
-    warm = tmp_path / "warm_eagle3"
-    export_draft(build_draft(cfg.draft, policy, tokenizer), warm)
-    run_e2e_bench(cfg, {"eagle3": str(warm)}, str(tmp_path), runs_dir=tmp_path / "runs")
-    payload = json.loads((tmp_path / "e2e.json").read_text())
-    runs = {s["run"]: s for s in payload["summary"]}
-    assert set(runs) == {"baseline", "eagle3", "frozen_eagle3"}
-    assert runs["baseline"]["rollout_speedup"] == 1.0 and runs["baseline"]["e2e_speedup"] == 1.0
-    assert all(len(payload["history"][name]) == 3 for name in runs)
-    assert (tmp_path / "e2e.md").read_text().startswith("| run |")
-    assert (tmp_path / "e2e.png").stat().st_size > 0
-    assert (tmp_path / "runs" / "eagle3" / "metrics.jsonl").is_file()
+def records(n: int, rollout_s: float = 2.0, step_s: float = 4.0, tau=lambda i: 1.0, reward=lambda i: 0.5,
+            **extra) -> list[dict]:
+    """n steps of synthetic metrics; the first step is 10x slower, as a warm-up step is."""
+    slow = lambda i: 10.0 if i == 0 else 1.0  # noqa: E731
+    return [{"step": i + 1, "time/rollout_s": rollout_s * slow(i), "time/step_s": step_s * slow(i),
+             "spec/acceptance_length": tau(i), "reward/mean": reward(i), "kl/train_inference": 0.01, **extra}
+            for i in range(n)]
+
+
+def by_run(summary: list[dict]) -> dict[str, dict]:
+    return {s["run"]: s for s in summary}
+
+
+def test_speedups_are_baseline_seconds_over_run_seconds_on_the_shared_steps_after_the_first():
+    history = {"baseline": records(12), "eagle3": records(10, rollout_s=1.0, step_s=3.0)}
+    history["eagle3"][4]["time/step_s"] = 3.0 + 9 * 1.0  # one slow step counts in full: totals, not medians
+    s = by_run(e2e.summarize(history))
+    assert s["eagle3"]["timed_steps"] == 9  # steps 2..10: the baseline's 11 and 12 have no partner
+    assert s["eagle3"]["rollout_speedup"] == pytest.approx(2.0)
+    assert s["eagle3"]["e2e_speedup"] == pytest.approx(9 * 4.0 / (9 * 3.0 + 9.0))
+    assert s["baseline"]["rollout_speedup"] == 1.0 and s["baseline"]["e2e_speedup"] == 1.0
+    assert s["baseline"]["rollout_share"] == pytest.approx(0.5)
+
+
+def test_tau_windows_are_the_first_and_last_ten_steps():
+    s = by_run(e2e.summarize({"baseline": records(25, tau=lambda i: float(i + 1))}))["baseline"]
+    assert s["tau_first"] == pytest.approx(5.5) and s["tau_last"] == pytest.approx(20.5)
+
+
+def test_reward_is_compared_within_two_combined_standard_errors():
+    wobble = lambda mean: lambda i: mean + (0.1 if i % 2 else -0.1)  # noqa: E731
+    history = {"baseline": records(20, reward=wobble(0.5)), "same": records(20, reward=wobble(0.52)),
+               "better": records(20, reward=wobble(0.9))}
+    s = by_run(e2e.summarize(history))
+    se = statistics.stdev([0.4, 0.6] * 5) / math.sqrt(10)
+    assert s["baseline"]["reward_last"] == pytest.approx(0.5) and s["baseline"]["reward_last_se"] == pytest.approx(se)
+    assert s["same"]["reward_diff"] == pytest.approx(0.02) and s["same"]["reward_within_2se"] is True
+    assert s["better"]["reward_diff"] == pytest.approx(0.4) and s["better"]["reward_within_2se"] is False
+    assert s["baseline"]["reward_within_2se"] is None  # the reference is not tested against itself
+    assert abs(s["better"]["reward_diff"]) > 2 * math.sqrt(2) * se  # the bound the test uses
+
+
+def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured(tmp_path):
+    cfg = load_config(None, ["task.kind=chain", "task.reward=final_answer", "rl.steps=12"])
+    history = {"baseline": records(12, rollout_s=1.0, step_s=4.0, **{"drift/kl_step0": 0.0}),
+               "dspark": records(12, rollout_s=0.5, step_s=3.5, tau=lambda i: 2.0 + i / 10)}
+    history["dspark"][4]["drift/kl_step0"] = 0.03
+    variants = {"baseline": ["draft.family=none"], "dspark": e2e.co_trained_overrides("dspark")}
+    payload = e2e.write_outputs(history, variants, cfg, tmp_path)
+    saved = json.loads((tmp_path / "e2e.json").read_text())
+    assert saved["history"] == history and saved["variants"] == variants
+    assert by_run(saved["summary"])["dspark"]["drift_last"] == 0.03 and saved["summary"] == payload["summary"]
+    assert saved["workload"]["task"]["kind"] == "chain" and saved["reward_test"] == e2e.REWARD_TEST
+    md = (tmp_path / "e2e.md").read_text()
+    header, _, baseline, dspark = md.splitlines()[:4]
+    assert header.startswith("| run | steps | tau first 10 | tau last 10 | rollout share | rollout speedup |")
+    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.143 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
+    assert baseline.split(" | ")[9] == "n/a"  # the baseline is the reference of the reward test
+    assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
+    assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
+    assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
+    assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def tiny(tmp_path, *overrides: str):
+    return load_config(None, [*TINY, *TINY_RL, "rl.steps=2", f"bench.out_dir={tmp_path}", *overrides])
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
+
+
+def forbid_training(monkeypatch):
+    monkeypatch.setattr(e2e, "Trainer", lambda *a, **k: pytest.fail("a completed variant was trained again"))
+
+
+def test_a_completed_variant_is_read_back_and_not_re_run(tmp_path, monkeypatch):
+    forbid_training(monkeypatch)
+    cfg = with_overrides(tiny(tmp_path), ["draft.family=none"])
+    run_dir = tmp_path / "baseline"
+    run_dir.mkdir()
+    rows = records(2)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / e2e.DONE).write_text(json.dumps(e2e.identity(cfg)))
+    assert e2e.run_variant("baseline", cfg, run_dir) == rows
+    with pytest.raises(ConfigError, match=r"holds a completed baseline run of another config \(rl.steps\)"):
+        e2e.run_variant("baseline", with_overrides(cfg, ["rl.steps=3"]), run_dir)
+
+
+def test_a_variant_stopped_by_a_signal_resumes_from_its_checkpoint_and_matches_an_unstopped_run(tmp_path,
+                                                                                                 monkeypatch):
+    cfg = with_overrides(tiny(tmp_path), ["draft.family=none", "checkpoint.every=0"])
+    unstopped = e2e.run_variant("baseline", cfg, tmp_path / "unstopped")
+    steps, train_step = [], Trainer.train_step
+
+    def step_then_sigint_after_step_1(self):
+        row = train_step(self)
+        steps.append(self.step)
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while step 1 runs: it finishes, is saved, the bench stops
+        return row
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigint_after_step_1)
+    run_dir = tmp_path / "stopped"
+    with pytest.raises(e2e.Interrupted) as stop:
+        e2e.run_variant("baseline", cfg, run_dir)
+    assert (stop.value.variant, stop.value.exit_code) == ("baseline", 130) and not (run_dir / e2e.DONE).exists()
+    resumed = e2e.run_variant("baseline", cfg, run_dir)
+    assert steps == [1, 2] and (run_dir / e2e.DONE).is_file()  # step 1 was not trained again
+    timing = ("time/", "rollout/tokens_per_s")
+    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in resumed] == \
+        [{k: v for k, v in r.items() if not k.startswith(timing)} for r in unstopped]
+
+
+def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path, monkeypatch):
+    cfg = tiny(tmp_path, "checkpoint.every=0", "rl.drift_every=1")
+    payload = e2e.run_e2e_bench(cfg, tmp_path / "out", tmp_path / "runs")
+    history = payload["history"]
+    best = max(DRAFT_FAMILIES, key=lambda f: e2e.window_mean(history[f], "spec/acceptance_length", last=True))
+    assert list(history) == ["baseline", "eagle3", "dflash", "dspark", f"frozen_{best}"]
+    assert all([r["step"] for r in rows] == [1, 2] for rows in history.values())
+    assert all("drift/kl_step0" in r and "kl/train_inference" in r for rows in history.values() for r in rows)
+    assert "loss/draft" in history[best][0] and "loss/draft" not in history[f"frozen_{best}"][0]
+    assert by_run(payload["summary"])["baseline"]["rollout_speedup"] == 1.0
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {"e2e.json", "e2e.md", "e2e.png"}
+    forbid_training(monkeypatch)
+    with pytest.raises(ConfigError, match="^checkpoint.resume: bench e2e resumes each variant from its own run dir"):
+        e2e.run_e2e_bench(with_overrides(cfg, [f"checkpoint.resume={tmp_path / 'runs' / 'eagle3'}"]),
+                          tmp_path / "out", tmp_path / "runs")
+    assert e2e.run_e2e_bench(cfg, tmp_path / "out", tmp_path / "runs")["history"] == history
+
+
+def test_bench_e2e_command_runs_the_bench_and_exits_as_a_signalled_run_when_stopped(tmp_path, monkeypatch):
+    args = ["bench", "e2e", *TINY, *TINY_RL, "rl.steps=1", "bench.e2e_families=[]", "bench.e2e_frozen=none",
+            f"run.dir={tmp_path / 'runs'}", f"bench.out_dir={tmp_path / 'out'}"]
+    assert main(args) == 0
+    assert (tmp_path / "out" / "e2e.md").read_text().startswith("| run | steps |")
+    assert (tmp_path / "runs" / "baseline" / e2e.DONE).is_file()
+
+    def stopped(*args, **kwargs):
+        raise e2e.Interrupted("dflash", 143)
+
+    monkeypatch.setattr(e2e, "run_e2e_bench", stopped)
+    assert main(args) == 143
+
+
+def test_the_shipped_workload_config_loads_and_asks_for_at_least_40_steps_of_long_answers():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "e2e_chain.yaml", [])
+    assert (cfg.model.path, cfg.task.kind, cfg.task.reward) == ("smollm2-135m", "chain", "final_answer")
+    assert cfg.rl.steps >= 40 and cfg.rl.max_new_tokens >= 128 and cfg.draft_train.max_new_tokens >= 128
