@@ -17,7 +17,7 @@ from pathlib import Path
 from codraft.bench.report import machine, markdown_table, median, write_results
 from codraft.config import Config
 from codraft.observability import MetricsLogger
-from codraft.rl.trainer import Trainer
+from codraft.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from codraft.config import Config, ConfigError
+from codraft.config import DRAFT_FAMILIES, Config, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -14,7 +14,7 @@ def _rollout(cfg: Config) -> None:
     import os
 
     from codraft.bench.rollout import run_rollout_bench
-    from codraft.commands.common import load_policy
+    from codraft.models import load_policy
 
     try:
         import transformers
@@ -65,10 +65,11 @@ def _e2e(cfg: Config) -> None:
             "(e.g. copies of `codraft draft-train` run dirs' draft/)"
         )
     drafts = {
-        f: str(Path(root) / f) for f in ("eagle3", "dflash", "dspark") if is_draft_dir(Path(root) / f)
+        f: str(Path(root) / f) for f in DRAFT_FAMILIES if is_draft_dir(Path(root) / f)
     }
     if not drafts:
-        raise ConfigError(f"bench.draft_root: '{root}' holds no eagle3/, dflash/ or dspark/ exported draft")
+        raise ConfigError(f"bench.draft_root: '{root}' holds no exported draft in any of "
+                          f"{', '.join(f + '/' for f in DRAFT_FAMILIES)}")
     run_e2e_bench(cfg, drafts, cfg.bench.out_dir, runs_dir=cfg.run.dir or "runs/e2e")
 
 

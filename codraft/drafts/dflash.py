@@ -269,7 +269,7 @@ class DFlashDraft(DraftModel):
             "draft/expected_accept": (total((accept * valid).sum()) / n).item(),
         }
         per_slot = total(correct.sum(0)) / total(valid.sum(0)).clamp(min=1)
-        metrics.update({f"draft/acc_slot_{k + 1}": acc for k, acc in enumerate(per_slot.tolist())})
+        metrics.update({f"draft/acc_pos_{k}": acc for k, acc in enumerate(per_slot.tolist())})  # slot k + 1
         return metrics
 
     # --- inference ---

@@ -45,9 +45,17 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
-    """Outputs of layers 1, L//2-1, L-4 (0-indexed). Below 7 layers these collide or fall outside the
-    model, so they are clamped into [0, L-1] and deduplicated (fewer taps; only tiny test models)."""
-    return sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+    """Outputs of layers 1, L//2-1, L-4 (0-indexed): always three layers when the policy has at least three
+    (SpecForge, SGLang and vLLM build EAGLE-3's fc for exactly 3 taps). Below 7 layers those collide or fall
+    outside the model, so the taps are low, middle and last instead: min(1, L-3), their midpoint, L-1.
+    A policy of one or two layers gives each of its layers."""
+    L = num_layers
+    if L < 3:
+        return list(range(L))
+    if L < 7:
+        low, high = min(1, L - 3), L - 1
+        return [low, (low + high) // 2, high]
+    return [1, L // 2 - 1, L - 4]
 
 
 def draft_layer_args(policy_args: ModelArgs) -> ModelArgs:
@@ -194,9 +202,9 @@ class Eagle3Draft(DraftModel):
             total = total + self.cfg.ttt_decay**s * step_loss
             with torch.no_grad():
                 agree = (step_logits.argmax(-1) == policy.argmax(-1)).float()
-                stats[f"draft/loss_step_{s}"] = step_loss.detach()
-                stats[f"draft/acc_step_{s}"] = mean(agree)
-                stats[f"draft/expected_accept_step_{s}"] = mean(expected_acceptance(step_logits, policy))
+                stats[f"draft/loss_pos_{s}"] = step_loss.detach()
+                stats[f"draft/acc_pos_{s}"] = mean(agree)
+                stats[f"draft/expected_accept_pos_{s}"] = mean(expected_acceptance(step_logits, policy))
         stats["loss/draft"] = total.detach()
         values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
         return total, dict(zip(stats, values, strict=True))

@@ -1,10 +1,10 @@
 import json
 
 from codraft.bench.e2e import run_e2e_bench
-from codraft.commands.common import load_policy
 from codraft.config import load_config
 from codraft.drafts import build_draft
 from codraft.drafts.export import export_draft
+from codraft.models import load_policy
 
 
 def test_e2e_bench_runs_every_variant_and_writes_table_and_plot(tmp_path):

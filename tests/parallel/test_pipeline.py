@@ -10,6 +10,7 @@ import torch.distributed as dist
 from codraft.config import DraftConfig, RLConfig
 from codraft.drafts import DraftBatch, build_draft
 from codraft.models import load_model
+from codraft.parallel.microbatch import split_rollouts
 from codraft.parallel.pipeline import (
     StageModule,
     build_stage,
@@ -21,8 +22,7 @@ from codraft.parallel.pipeline import (
 from codraft.parallel.tapchannel import TapChannel, TapSpec
 from codraft.rl.batch import pack_rollouts, per_sequence, token_logprobs
 from codraft.rl.grpo import grpo_loss
-from codraft.rl.microbatch import split_rollouts
-from codraft.rl.pipeline_loss import JointObjective
+from codraft.train.objective import JointObjective
 from tests.distributed import run_workers
 
 PRESET = "tiny-llama"  # tied embedding/head: the PP copies of the tied weight must get the summed gradient

@@ -8,7 +8,7 @@ import torch
 
 from codraft.cli import main
 from codraft.config import load_config
-from codraft.rl.trainer import Trainer
+from codraft.train.trainer import Trainer
 
 DESIGN_METRICS = [
     "reward/mean",

@@ -1,5 +1,5 @@
 """Splitting a rollout batch into pipeline microbatches: groups of whole sequences, each packed on its own, seen
-through the sharding's view (the whole microbatch, or this rank's zigzag share under CP) and padded to one common
+through this rank's view (the whole microbatch, or this rank's zigzag share under CP) and padded to one common
 length (the pipeline's P2P buffers have one shape for every microbatch)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from codraft.parallel.pipeline import MicrobatchMeta
 from codraft.rl.batch import PackedRollouts, pack_rollouts
-from codraft.rl.sharding import BatchView, Sharding
+from codraft.rl.view import BatchView, whole_view
 
 
 @dataclass
@@ -30,8 +30,8 @@ def split_rollouts(prompts: list[list[int]], completions: list[list[int]], logpr
                    ) -> tuple[list[Microbatch], torch.Tensor]:
     """Microbatches of consecutive sequences (equal counts, the first ones one more when uneven) and the token ids
     this rank computes on [n_microbatches, L], L = the longest view rounded up to a multiple of `pad_to`.
-    `view` is the sharding's (default: one process computes the whole microbatch)."""
-    view = view or Sharding().view
+    `view` is this rank's (parallel.cp_view.batch_view; default: one process computes the whole microbatch)."""
+    view = view or whole_view
     if len(prompts) < n_microbatches:
         raise ValueError(f"{len(prompts)} sequences cannot fill {n_microbatches} pipeline microbatches")
     groups = torch.arange(len(prompts)).tensor_split(n_microbatches)

@@ -1,24 +1,17 @@
-"""The one seam between the co-training step and data parallelism over tokens (context parallelism).
-
-The trainer asks its `Sharding` for: the rollout (generated once, the same on every rank), the view of
-a packed batch this rank computes on (`BatchView`), the gradient reduction after the backward, and
-whether this rank writes metrics and checkpoints. This module is the single-device sharding: the
-whole batch, nothing to reduce. `codraft.parallel.cp_train` is the context-parallel one.
-"""
+"""The tokens of a packed rollout batch that one process computes on (`BatchView`), and the way back from
+per-token results to the whole batch. `whole_view` is a single process's view: every token.
+`codraft.parallel.cp_view` is the context-parallel one (this rank's zigzag share)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from torch import nn
 
 from codraft.drafts import DraftBatch
 from codraft.drafts.shard import TokenShard
 from codraft.models.model import packed_positions
-from codraft.observability import prepare_run_dir
 from codraft.rl.batch import PackedRollouts, token_entropy, token_logprobs
 
 # (logits rows [R, V], the token each row predicts [R]) -> a value per row [R]
@@ -64,33 +57,8 @@ class BatchView:
         )
 
 
-class Sharding:
-    """One process computes everything."""
-
-    is_writer = True  # writes metrics and checkpoints
-
-    def prepare_run_dir(self, cfg) -> Path:
-        return prepare_run_dir(cfg, "train")
-
-    def apply(self, policy: nn.Module, draft: nn.Module | None) -> None:
-        """Make the modules compute on this sharding's views (in place)."""
-
-    def rollout(self, generate: Callable):
-        """The rollout batch: generate() here."""
-        return generate()
-
-    def view(self, batch: PackedRollouts) -> BatchView:
-        shard = TokenShard(batch.input_ids, batch.response_mask, batch.cu_seqlens)
-        positions = packed_positions(batch.cu_seqlens)
-        return BatchView(batch, batch.input_ids, positions, batch.cu_seqlens, batch.response_mask, shard)
-
-    def reduce_gradients(self, modules: list[nn.Module]) -> None:
-        """Make every rank's gradients those of the whole batch's loss (in place)."""
-
-    def all_agree(self, flag: bool) -> bool:
-        """True when `flag` holds on every rank that trains on other samples (none here)."""
-        return flag
-
-    def anyone(self, flag: bool) -> bool:
-        """True when `flag` holds on any rank of the run (collective over all of them)."""
-        return flag
+def whole_view(batch: PackedRollouts) -> BatchView:
+    """The view of a process that computes on the whole batch."""
+    shard = TokenShard(batch.input_ids, batch.response_mask, batch.cu_seqlens)
+    return BatchView(batch, batch.input_ids, packed_positions(batch.cu_seqlens), batch.cu_seqlens,
+                     batch.response_mask, shard)
