@@ -37,9 +37,9 @@ from codraft.drafts import build_draft
 from codraft.models import PRESETS
 from codraft.models.loading import build_model
 from codraft.models.presets import byte_tokenizer, random_state_dict
-from codraft.parallel.microbatch import split_rollouts
 from codraft.parallel.pipeline import StageModule, build_stage, run_pipeline, stage_state_dict, tap_sources
 from codraft.parallel.tapchannel import TapChannel, TapSpec
+from codraft.rl.batch import split_rollouts
 from codraft.train.objective import JointObjective
 
 log = logging.getLogger(__name__)

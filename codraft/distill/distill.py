@@ -24,9 +24,8 @@ from codraft.config import Config, DraftTrainConfig
 from codraft.drafts import DraftBatch, DraftModel, build_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
-from codraft.rl.batch import pack_rollouts
+from codraft.rl.batch import pack_rollouts, whole_view
 from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task
-from codraft.rl.view import whole_view
 from codraft.rollout import generate
 
 log = logging.getLogger(__name__)

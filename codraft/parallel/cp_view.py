@@ -1,4 +1,4 @@
-"""This rank's view of a packed batch under context parallelism (the `BatchView` of rl/view.py, zigzag-sharded).
+"""This rank's view of a packed batch under context parallelism (the `BatchView` of rl/batch.py, zigzag-sharded).
 
   view      the packed batch is zigzag-sharded (cp_shard.shard_batch); the policy runs with ring
             attention (apply_cp) at global positions, the draft with ring branch attention
@@ -23,8 +23,7 @@ import torch.distributed as dist
 from codraft.parallel.cp_draft import CPTokenShard
 from codraft.parallel.cp_shard import gather, shard_batch
 from codraft.parallel.mesh import ParallelDims
-from codraft.rl.batch import PackedRollouts
-from codraft.rl.view import BatchView, RowFn, whole_view
+from codraft.rl.batch import BatchView, PackedRollouts, RowFn, whole_view
 
 
 @dataclass

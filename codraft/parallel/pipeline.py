@@ -13,7 +13,6 @@ stage S-1:      layers, norm, head -> logits; fetch the other stages' taps -> `o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from codraft.config import ConfigError
 from codraft.models import ModelArgs, Transformer
 from codraft.parallel.tapchannel import TapChannel
+from codraft.rl.batch import MicrobatchMeta
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 
@@ -84,15 +84,6 @@ def tap_sources(tap_layers: tuple[int, ...], num_layers: int, pp: int) -> dict[i
         if owner[layer] != pp - 1:
             sources.setdefault(owner[layer], []).append(layer)
     return sources
-
-
-@dataclass
-class MicrobatchMeta:
-    """What a stage needs about one microbatch besides the tensor that flows into it."""
-
-    cu_seqlens: torch.Tensor  # [n + 1] or [n + 2]: the microbatch's sequences, then any padding as one more
-    positions: torch.Tensor  # [1, L] rotary positions
-    tokens: int  # real (unpadded) tokens; taps and logits beyond them are padding
 
 
 class StageModule(nn.Module):

@@ -29,8 +29,7 @@ from codraft.config import RLConfig
 from codraft.drafts import DraftModel
 from codraft.parallel.collectives import sum_over_replicas
 from codraft.parallel.mesh import ParallelDims
-from codraft.parallel.microbatch import Microbatch
-from codraft.rl.batch import per_sequence
+from codraft.rl.batch import Microbatch, per_sequence
 from codraft.rl.grpo import grpo_loss_for
 
 

@@ -8,7 +8,7 @@ what it would be with lambda = 0.
 
 Parallelism is applied from outside (parallel/parallelize.py: the trained module is the policy or this
 rank's pipeline stage, with ring attention under CP); what crosses ranks is a plain function of the mesh
-(parallel/collectives.py, parallel/clip.py); the step branches on the layout once, in `_forward_backward`:
+(parallel/collectives.py, its grad clip included); the step branches on the layout once, in `_forward_backward`:
 at pp = 1 one microbatch of weight 1 and `backward()`, under PP the torch.distributed.pipelining schedule's
 `step` with the objective on the last stage (parallel/pipeline.py, taps over a TapChannel).
 """
@@ -27,11 +27,11 @@ from codraft.distill.warm_start import warm_start_draft
 from codraft.drafts import DraftModel, build_draft
 from codraft.drafts.export import check_family, read_draft
 from codraft.models import load_policy
-from codraft.parallel.clip import clip_grad_norm_
 from codraft.parallel.collectives import (
     all_agree,
     average_metrics,
     broadcast_modules,
+    clip_grad_norm_,
     from_last_stage,
     gather_to_first_stage,
     reduce_gradients,
@@ -42,10 +42,10 @@ from codraft.parallel.collectives import (
 from codraft.parallel.cp_view import batch_view
 from codraft.parallel.dp_task import ReplicaTask
 from codraft.parallel.mesh import ParallelDims, parallel_dims
-from codraft.parallel.microbatch import split_rollouts
 from codraft.parallel.parallelize import parallelize_draft, parallelize_policy
 from codraft.parallel.pipeline import StageModule, run_pipeline, stage_keys, sum_tied_grads, tap_sources
 from codraft.parallel.tapchannel import TapChannel, TapSpec
+from codraft.rl.batch import Microbatch, split_rollouts
 from codraft.rl.drift import drift_probe
 from codraft.rl.grpo import group_advantages, rewards_tensor, zero_variance_groups
 from codraft.rl.prompts import prompt_corpus, prompt_encoder
@@ -217,24 +217,22 @@ class Trainer:
         objective = JointObjective(rl, self.draft, mbs, dims, self.reference) if last else None
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:
-            module = StageModule(self.stage, dims.pp_rank, dims.pp, self.taps, channel,
-                                 self.draft if last else None, objective)
-            module.metas = [mb.meta for mb in mbs]
             for _ in range(rl.optimizer_steps_per_batch):
-                metrics = self._optimizer_step(module, ids)
+                metrics = self._optimizer_step(objective, mbs, ids, channel)
                 if channel is not None:
                     channel.reset()
                 if metrics is None:  # a non-finite RL loss: the rest of the update is skipped
                     return {"loss/policy": float("nan")}
         return metrics
 
-    def _optimizer_step(self, module: StageModule, ids: torch.Tensor) -> dict | None:
+    def _optimizer_step(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
+                        channel: TapChannel | None) -> dict | None:
         """Forward + backward over all microbatches, gradients reduced and clipped, optimizer steps. Returns the
         step's metrics (the same on every rank), None when the RL loss was not finite and nothing stepped."""
-        dims, o, objective = self.dims, self.cfg.optim, module.objective
+        dims, o = self.dims, self.cfg.optim
         if objective is not None:
             objective.reset_metrics()
-        self._forward_backward(module, ids)
+        self._forward_backward(objective, mbs, ids, channel)
         if dims.pp > 1:
             sum_tied_grads(self.stage, dims.pp_group)
         reduce_gradients(self.trained, dims)
@@ -264,18 +262,26 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
         return metrics
 
-    def _forward_backward(self, module: StageModule, ids: torch.Tensor) -> None:
-        """The one layout branch: pp = 1 runs the one microbatch and its backward here; under PP the pipeline
-        schedule runs every microbatch's forward and backward (gradients accumulate, unscaled: the objective
-        weights each microbatch by its share of the batch)."""
+    def _forward_backward(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
+                          channel: TapChannel | None) -> None:
+        """The one layout branch. pp = 1: the one microbatch (the whole batch, or this rank's CP share) through
+        the policy, its loss, backward. PP: the pipeline schedule runs every microbatch's forward and backward,
+        the objective on the last stage (gradients accumulate unscaled: the objective weights each microbatch
+        by its share of the batch)."""
         dims = self.dims
         if dims.pp == 1:
-            loss = module(ids, mb=torch.zeros(1, dtype=torch.long, device=self.device))  # [1]
+            meta = mbs[0].meta
+            out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps)
+            taps = {layer: t[0].detach() for layer, t in out.taps.items()}  # [T, H]: the draft reads, never writes
+            loss = objective(0, out.logits[0], taps)
             if loss.requires_grad:  # not when the RL loss was non-finite and there is no draft term
-                loss.sum().backward()
-        else:
-            run_pipeline(module, ids if dims.pp_rank == 0 else None, schedule=self.cfg.parallel.pp_schedule,
-                         group=dims.pp_group, device=self.device)
+                loss.backward()
+            return
+        module = StageModule(self.stage, dims.pp_rank, dims.pp, self.taps, channel,
+                             self.draft if dims.is_last_stage else None, objective)
+        module.metas = [mb.meta for mb in mbs]
+        run_pipeline(module, ids if dims.pp_rank == 0 else None, schedule=self.cfg.parallel.pp_schedule,
+                     group=dims.pp_group, device=self.device)
 
     def _clip_policy(self, max_norm: float) -> float:
         """The clip over the whole policy: under PP, squared norms summed over the stages, a tied head (the last

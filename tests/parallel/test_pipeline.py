@@ -10,7 +10,6 @@ import torch.distributed as dist
 from codraft.config import DraftConfig, RLConfig
 from codraft.drafts import DraftBatch, build_draft
 from codraft.models import load_model
-from codraft.parallel.microbatch import split_rollouts
 from codraft.parallel.pipeline import (
     StageModule,
     build_stage,
@@ -20,7 +19,7 @@ from codraft.parallel.pipeline import (
     tap_sources,
 )
 from codraft.parallel.tapchannel import TapChannel, TapSpec
-from codraft.rl.batch import pack_rollouts, per_sequence, token_logprobs
+from codraft.rl.batch import pack_rollouts, per_sequence, split_rollouts, token_logprobs
 from codraft.rl.grpo import grpo_loss
 from codraft.train.objective import JointObjective
 from tests.distributed import run_workers
