@@ -77,7 +77,7 @@ def tap_sources(tap_layers: tuple[int, ...], num_layers: int, pp: int) -> dict[i
     ranges = stage_layers(num_layers, pp)
     owner = {layer: s for s, (first, last) in enumerate(ranges) for layer in range(first, last)}
     if unowned := [layer for layer in tap_layers if layer not in owner]:
-        raise ConfigError(f"draft.tap_layers {unowned} belong to no pipeline stage: stages own layers "
+        raise ConfigError(f"draft tap layers {unowned} belong to no pipeline stage: stages own layers "
                          f"{[list(range(*r)) for r in ranges]} (draft.tap_layers must be in [0, {num_layers}))")
     sources: dict[int, list[int]] = {}
     for layer in tap_layers:
