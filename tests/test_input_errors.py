@@ -10,7 +10,7 @@ import torch
 
 from codraft.cli import main
 from codraft.models.tokenizer import Tokenizer
-from tests.rl.test_trainer import TINY
+from tests.train.test_trainer import TINY
 
 ROW = json.dumps({"prompt": "What is 2 + 3?", "answer": "5"})
 

@@ -15,14 +15,14 @@ from codraft.drafts.export import WEIGHTS_FILE, load_draft
 from codraft.models import Transformer, load_policy
 from codraft.train.checkpoint import load_checkpoint
 from codraft.train.trainer import Trainer
-from tests.rl.test_trainer import deterministic, run_metrics
+from tests.train.test_trainer import deterministic, run_metrics
 
 TINY = ["model.path=tiny-llama", "run.tensorboard=false", "task.max_operand=9", "draft_train.num_prompts=4",
         "draft_train.steps=2", "draft_train.batch_size=2", "draft_train.max_new_tokens=8",
         "draft_train.generate_batch_size=4", "draft_train.warmup_steps=0", "draft.draft_vocab_size=64",
         "draft.num_anchors=2"]
 TINY_RL = ["rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=6", "rl.adaptive=false",
-           "rl.drift_every=0", "optim.lr=1e-3", "task.reward=tests.rl.test_trainer:length_reward"]
+           "rl.drift_every=0", "optim.lr=1e-3", "task.reward=tests.train.test_trainer:length_reward"]
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from codraft.config import load_config
 from codraft.models import load_model
 from codraft.rl.drift import DriftProbe
 from codraft.train.trainer import Trainer
-from tests.rl.test_trainer import TINY, deterministic, run_metrics
+from tests.train.test_trainer import TINY, deterministic, run_metrics
 
 PROMPTS = [[257, 10, 20, 30], [257, 40, 50, 60, 70, 80], [257, 90]]
 

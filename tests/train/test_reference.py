@@ -11,7 +11,7 @@ from codraft.parallel.mesh import ParallelDims
 from codraft.rl.grpo import grpo_loss
 from codraft.train.trainer import Trainer
 from tests.distributed import run_workers
-from tests.parallel.test_cp_train import TINY, fixed_rollout
+from tests.train.test_trainer_cp import TINY, fixed_rollout
 
 BETA = [*TINY, "draft.family=none", "rl.beta=0.1"]
 
@@ -38,7 +38,7 @@ def test_beta_zero_keeps_no_reference_and_beta_keeps_a_frozen_copy_of_the_initia
 def test_codraft_train_with_beta_trains_and_logs_kl_ref(tmp_path):
     run = tmp_path / "run"
     assert main(["train", *BETA, "rl.steps=2", "optim.lr=1e-2", f"run.dir={run}"]) == 0
-    from tests.rl.test_trainer import run_metrics
+    from tests.train.test_trainer import run_metrics
 
     rows = run_metrics(run)
     assert rows[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is still the reference
@@ -84,3 +84,17 @@ def test_loss_with_beta_under_cp2_and_pp2_equals_pp1(tmp_path, layout):
             ref = name if name in g1 else "embed_tokens.weight"  # the last stage's copy of a tied head
             torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(g1[ref]), rtol=1e-4, atol=1e-5,
                                        msg=name)
+
+
+def _train(rank: int, world_size: int, overrides: list[str]) -> int:
+    return main(["train", *overrides])
+
+
+@pytest.mark.parametrize("layout", ["parallel.cp=2", "parallel.pp=2"])
+def test_codraft_train_with_beta_runs_under_cp2_and_pp2(tmp_path, layout):
+    from tests.train.test_trainer import run_metrics
+
+    overrides = [*BETA, "rl.steps=2", "optim.lr=1e-2", layout, f"run.dir={tmp_path}"]
+    assert run_workers(_train, 2, overrides, timeout=180) == [0, 0]
+    rows = run_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["kl/ref"] > 0

@@ -16,7 +16,7 @@ from codraft.parallel.mesh import ParallelDims
 from codraft.rl.tasks import build_task
 from codraft.train.trainer import Trainer
 from tests.distributed import run_workers
-from tests.parallel.test_cp_train import TINY, fixed_rollout
+from tests.train.test_trainer_cp import TINY, fixed_rollout
 
 EAGLE3_EXACT = ["draft.family=eagle3", "draft.draft_vocab_size=0", "draft.ttt_steps=2"]  # split loss is exact
 
@@ -165,7 +165,7 @@ def test_replicas_split_every_draw_of_the_prompts():
 
 def test_pp2_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     """Each stage's optimizer state goes through the checkpoint: steps 3-4 after a resume are steps 3-4 of one run."""
-    from tests.rl.test_trainer import deterministic, run_metrics
+    from tests.train.test_trainer import deterministic, run_metrics
 
     common = [*TINY, *EAGLE3_EXACT, "parallel.pp=2", "rl.optimizer_steps_per_batch=2"]
     full, part = tmp_path / "full", tmp_path / "part"

@@ -25,7 +25,7 @@ TINY = [
     "rl.draft_weight=1.0",
     "draft.num_anchors=3",
     "draft.block_size=4",
-    "task.reward=tests.rl.test_trainer:length_reward",
+    "task.reward=tests.train.test_trainer:length_reward",
 ]
 
 
