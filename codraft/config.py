@@ -40,28 +40,41 @@ class RunConfig:
     tensorboard: bool = True
 
 
+# the draft families (drafts/: one module each, registered for export under these names): the one list that
+# every config key, command and message naming a family reads
+DRAFT_FAMILIES = ("eagle3", "dflash", "dspark")
+DraftLoss = Literal["soft_ce", "hard_ce", "tv"]
+
+# the names of models/presets.py (the one place they are built), here so the config can check them at load
+# without importing the model package
+MODEL_PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen3")
+
+
 @dataclass
 class ModelConfig:
     path: str = "smollm2-135m"  # a preset name, an HF checkpoint dir or a .gguf file
+    ref_path: str | None = None  # rl.beta > 0: the frozen reference (same forms as path); None = the initial policy
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
 
     def validate(self) -> None:
-        path = Path(self.path).expanduser()
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise ConfigError(f"model.path: '{self.path}' is a directory without config.json, not a Hugging Face "
-                              "checkpoint directory")
-        if path.is_file() and path.suffix != ".gguf":
-            raise ConfigError(f"model.path: '{self.path}' is a file but not a .gguf model")
-        if path.exists():
-            return
-        from codraft.models.presets import PRESETS  # lazy: the model package is heavy
+        _check_model_path("model.path", self.path)
+        if self.ref_path is not None:
+            _check_model_path("model.ref_path", self.ref_path)
 
-        if self.path not in PRESETS:
-            raise ConfigError(
-                f"model.path: {self.path!r} is neither a preset ({', '.join(PRESETS)}) "
-                "nor an existing file or directory"
-            )
+
+def _check_model_path(key: str, value: str) -> None:
+    path = Path(value).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ConfigError(f"{key}: '{value}' is a directory without config.json, not a Hugging Face "
+                          "checkpoint directory")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ConfigError(f"{key}: '{value}' is a file but not a .gguf model")
+    if path.exists():
+        return
+    if value not in MODEL_PRESETS:
+        raise ConfigError(f"{key}: {value!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
+                          "nor an existing file or directory")
 
 
 @dataclass
@@ -71,7 +84,7 @@ class GenerateConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     num_speculative_tokens: int = 4
-    drafter: Literal["none", "ngram", "eagle3", "dflash", "dspark"] = "none"
+    drafter: Literal[("none", "ngram", *DRAFT_FAMILIES)] = "none"
     adaptive: bool = True  # adapt the number of speculative tokens to the acceptance rate
     batch_size: int = 8
     chat_template: bool = True
@@ -114,13 +127,10 @@ class ParallelConfig:
         require(self.timeout_s > 0, "parallel.timeout_s", "> 0 (seconds)", self.timeout_s)
 
 
-DRAFT_FAMILIES = ("eagle3", "dflash", "dspark")
-DraftLoss = Literal["soft_ce", "hard_ce", "tv"]
-
 
 @dataclass
 class DraftConfig:
-    family: Literal["eagle3", "dflash", "dspark", "none"] = "eagle3"
+    family: Literal[(*DRAFT_FAMILIES, "none")] = "eagle3"
     loss: DraftLoss = "soft_ce"  # DSpark mixes ce_weight * CE(loss) + tv_weight * TV
     tap_layers: list[int] | None = None  # None = the family's default placement
     # EAGLE-3
@@ -147,6 +157,10 @@ class DraftConfig:
         require(self.num_anchors >= 1, "draft.num_anchors", ">= 1", self.num_anchors)
         require(self.draft_vocab_size >= 0, "draft.draft_vocab_size", ">= 0", self.draft_vocab_size)
         require(self.markov_rank >= 1, "draft.markov_rank", ">= 1", self.markov_rank)
+        if self.tap_layers is not None:
+            require(all(a < b for a, b in zip(self.tap_layers, self.tap_layers[1:], strict=False)), "draft.tap_layers",
+                    "strictly ascending: SGLang and vLLM concatenate the captured layers in ascending order, so "
+                    "any other order exports a draft that serves wrong", self.tap_layers)
         if self.tap_layers is not None and num_policy_layers is not None:
             bad = [i for i in self.tap_layers if not 0 <= i < num_policy_layers]
             require(not bad, "draft.tap_layers", f"layers of the policy, in [0, {num_policy_layers - 1}]", bad)
@@ -335,7 +349,7 @@ class ExportConfig:
 
     source: str | None = None
     out_dir: str | None = None  # None: <source>/export (required when the source is a draft dir)
-    family: Literal["any", "eagle3", "dflash", "dspark"] = "any"  # the family the source must hold
+    family: Literal[("any", *DRAFT_FAMILIES)] = "any"  # the family the source must hold
 
     def validate(self) -> None:
         if self.source is not None and not Path(self.source).is_dir():
@@ -356,6 +370,30 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     draft_train: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+
+
+    def validate(self) -> None:
+        """The rules that span sections, checked once at load (the sections' own rules ran before)."""
+        p, rl, d = self.parallel, self.rl, self.draft
+        if p.dp > 1 and rl.filter_zero_variance:
+            # a replica whose groups were all filtered out would skip the update its peers wait in
+            raise ConfigError(f"rl.filter_zero_variance=true needs parallel.dp=1 (got parallel.dp={p.dp}): "
+                              "set rl.filter_zero_variance=false")
+        if p.pp_microbatches and p.pp_microbatches < p.pp:
+            raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} cannot fill parallel.pp={p.pp} "
+                              "pipeline stages: use >= parallel.pp, or 0 (= 2 * parallel.pp)")
+        if p.pp_microbatches and p.pp == 1:
+            raise ConfigError(f"parallel.pp_microbatches={p.pp_microbatches} applies to parallel.pp > 1 only "
+                              "(got parallel.pp=1): leave it at 0")
+        if self.model.ref_path is not None and rl.beta == 0:
+            raise ConfigError(f"model.ref_path={self.model.ref_path} is the reference of the KL term, which "
+                              "rl.beta=0 turns off: set rl.beta > 0 or leave model.ref_path unset")
+        if d.family == "dspark" and d.loss == "tv":
+            raise ConfigError("draft.loss=tv with draft.family=dspark: DSpark adds its TV term itself "
+                              "(draft.tv_weight); draft.loss picks its CE term: soft_ce or hard_ce")
+        if d.family == "none" and self.checkpoint.draft_init is not None:
+            raise ConfigError(f"checkpoint.draft_init={self.checkpoint.draft_init} with draft.family=none: "
+                              f"name the draft's family (one of {', '.join(DRAFT_FAMILIES)})")
 
 
 # --- loading -------------------------------------------------------------------------------

@@ -259,3 +259,55 @@ def test_with_overrides_builds_a_checked_copy_and_leaves_the_original(presets):
 )
 def test_bench_e2e_variant_keys_name_the_key(presets, overrides, key):
     assert error(overrides=overrides).startswith(f"config key '{key}' must be ")
+
+
+# --- rules that span sections, checked at load (one case per rule, asserting its message) ---
+
+CROSS_SECTION_RULES = {
+    "dp-filter": (["parallel.dp=2", "rl.filter_zero_variance=true"],
+                  "rl.filter_zero_variance=true needs parallel.dp=1 (got parallel.dp=2)"),
+    "pp-microbatches-too-few": (["parallel.pp=4", "parallel.pp_microbatches=3"],
+                                "parallel.pp_microbatches=3 cannot fill parallel.pp=4 pipeline stages"),
+    "pp-microbatches-without-pp": (["parallel.pp_microbatches=2"],
+                                   "parallel.pp_microbatches=2 applies to parallel.pp > 1 only"),
+    "ref-path-without-beta": (["model.ref_path=tiny-llama"],
+                              "model.ref_path=tiny-llama is the reference of the KL term, which rl.beta=0 turns off"),
+    "ref-path-missing": (["rl.beta=0.1", "model.ref_path=nowhere"],
+                         "model.ref_path: 'nowhere' is neither a preset"),
+    "dspark-tv": (["draft.family=dspark", "draft.loss=tv"],
+                  "draft.loss=tv with draft.family=dspark: DSpark adds its TV term itself"),
+    "draft-init-without-family": (["draft.family=none", "checkpoint.draft_init=auto"],
+                                  "checkpoint.draft_init=auto with draft.family=none"),
+    "tap-layers-unsorted": (["draft.tap_layers=[2,0,1]"],
+                            "'draft.tap_layers' must be strictly ascending: SGLang and vLLM concatenate"),
+    "tap-layers-duplicated": (["draft.tap_layers=[0,1,1]"], "'draft.tap_layers' must be strictly ascending"),
+}
+
+
+@pytest.mark.parametrize("overrides,message", CROSS_SECTION_RULES.values(), ids=CROSS_SECTION_RULES.keys())
+def test_a_rule_that_spans_sections_is_a_config_error_at_load_naming_the_keys(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.path=tiny-llama", *overrides])
+    assert message in str(err.value)
+
+
+def test_the_rules_accept_their_valid_neighbours():
+    for overrides in (["parallel.dp=2"], ["parallel.pp=2", "parallel.pp_microbatches=2"],
+                      ["rl.beta=0.1", "model.ref_path=tiny-llama"], ["draft.family=dspark", "draft.loss=hard_ce"],
+                      ["draft.family=none"], ["draft.tap_layers=[0,2,3]"]):
+        load_config(None, ["model.path=tiny-llama", *overrides])
+
+
+def test_every_key_that_names_a_draft_family_reads_the_one_list():
+    import typing
+
+    from codraft.config import DRAFT_FAMILIES, DraftConfig, ExportConfig, GenerateConfig
+    from codraft.drafts.export import FAMILIES
+
+    def values(section, key):
+        return typing.get_args(typing.get_type_hints(section)[key])
+
+    assert values(DraftConfig, "family") == (*DRAFT_FAMILIES, "none")
+    assert values(GenerateConfig, "drafter") == ("none", "ngram", *DRAFT_FAMILIES)
+    assert values(ExportConfig, "family") == ("any", *DRAFT_FAMILIES)
+    assert sorted(FAMILIES) == sorted(DRAFT_FAMILIES)  # every family registers itself for export under its name

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from codraft.cli import main
-from codraft.commands.common import load_policy
 from codraft.config import load_config
 from codraft.drafts import build_draft
 from codraft.drafts.export import load_draft
-from codraft.rl.checkpoint import load_checkpoint
+from codraft.models import load_policy
 from codraft.rollout import generate
+from codraft.train.checkpoint import load_checkpoint
 
 TINY_TRAIN = ["model.path=tiny-llama", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=6",
               "rl.steps=1", "rl.adaptive=false", "draft.num_anchors=2", "draft.draft_vocab_size=64",

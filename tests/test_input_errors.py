@@ -10,7 +10,7 @@ import torch
 
 from codraft.cli import main
 from codraft.models.tokenizer import Tokenizer
-from tests.rl.test_trainer import TINY
+from tests.train.test_trainer import TINY
 
 ROW = json.dumps({"prompt": "What is 2 + 3?", "answer": "5"})
 
@@ -75,7 +75,7 @@ def test_building_the_draft_vocabulary_tokenises_each_prompt_once(tmp_path, monk
     path = jsonl(tmp_path, "\n".join(rows) + "\n")
     texts = recorded_encodes(monkeypatch)
     from codraft.config import load_config
-    from codraft.rl.trainer import Trainer
+    from codraft.train.trainer import Trainer
 
     # drift off: its held-out prompts are tokenised on their own, not for the draft vocabulary
     cfg = load_config(None, [*TINY, "task.kind=jsonl", f"task.path={path}", "draft.family=eagle3", "rl.drift_every=0"])

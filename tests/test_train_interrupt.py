@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from codraft.cli import main
-from tests.rl.test_trainer import TINY, run_metrics
+from tests.train.test_trainer import TINY, run_metrics
 
 
 def train_until_first_step_then(signum: int, run_dir, *overrides: str) -> tuple[int, str]:

@@ -21,13 +21,12 @@ from collections import Counter
 from collections.abc import Callable
 
 from codraft.bench.report import interleaved, machine, markdown_table, median, write_results
-from codraft.commands.common import load_policy
-from codraft.config import Config, ConfigError
+from codraft.config import DRAFT_FAMILIES, Config, ConfigError
+from codraft.distill.distill import split_prompts, start_distillation
 from codraft.drafts import DraftModel
-from codraft.drafts.distill import split_prompts, start_distillation
 from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptance
 from codraft.drafts.export import check_family, load_draft
-from codraft.models import Tokenizer, Transformer
+from codraft.models import Tokenizer, Transformer, load_policy
 from codraft.observability import progress
 from codraft.rollout import Rollout, RolloutStats, SpeculationController, generate
 
@@ -60,7 +59,8 @@ def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
             check_family(draft, "bench.draft_path", "draft.family", cfg.draft.family)
         return draft, {"draft_path": cfg.bench.draft_path}
     if cfg.draft.family == "none":
-        raise ConfigError("bench draft needs bench.draft_path, or draft.family in eagle3, dflash, dspark to train one")
+        raise ConfigError(f"bench draft needs bench.draft_path, or draft.family in {', '.join(DRAFT_FAMILIES)} "
+                          "to train one")
     start = time.perf_counter()
     distiller = start_distillation(cfg, policy, tokenizer, train_prompts)
     losses = [distiller.step()["loss/draft"] for _ in progress(range(cfg.draft_train.steps), desc="bench draft")]

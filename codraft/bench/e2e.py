@@ -27,9 +27,9 @@ from codraft.config import Config, ConfigError, config_to_dict, save_config, wit
 from codraft.interrupt import StopOnSignal
 from codraft.jsonl import read_jsonl
 from codraft.observability import MetricsLogger, progress
-from codraft.rl.checkpoint import latest_checkpoint
-from codraft.rl.resume import resume_sections
-from codraft.rl.trainer import Trainer
+from codraft.train.checkpoint import latest_checkpoint
+from codraft.train.resume import resume_sections
+from codraft.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -32,15 +32,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from codraft.bench.report import machine, markdown_table, median, write_results
-from codraft.config import DraftConfig, RLConfig
+from codraft.config import DRAFT_FAMILIES, DraftConfig, RLConfig
 from codraft.drafts import build_draft
 from codraft.models import PRESETS
 from codraft.models.loading import build_model
 from codraft.models.presets import byte_tokenizer, random_state_dict
 from codraft.parallel.pipeline import StageModule, build_stage, run_pipeline, stage_state_dict, tap_sources
 from codraft.parallel.tapchannel import TapChannel, TapSpec
-from codraft.rl.microbatch import split_rollouts
-from codraft.rl.pipeline_loss import JointObjective
+from codraft.rl.batch import split_rollouts
+from codraft.train.objective import JointObjective
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _rows(pp: int, n_mb: int, family: str, per_rank: list[dict]) -> list[dict]:
 
 def run_tapchannel_bench(out_dir: str | Path = "results", pps: tuple[int, ...] = (2, 4),
                          microbatches: tuple[int, ...] = (4, 8),
-                         families: tuple[str, ...] = ("eagle3", "dflash", "dspark"),
+                         families: tuple[str, ...] = DRAFT_FAMILIES,
                          sequences: int = 16, repeats: int = 5) -> dict:
     rows = []
     for pp in pps:

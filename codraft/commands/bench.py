@@ -14,7 +14,7 @@ def _rollout(cfg: Config) -> None:
     import os
 
     from codraft.bench.rollout import run_rollout_bench
-    from codraft.commands.common import load_policy
+    from codraft.models import load_policy
 
     try:
         import transformers

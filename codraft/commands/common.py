@@ -1,31 +1,13 @@
-"""What several commands do the same way: load the policy, read prompts, pick a drafter."""
+"""What several commands do the same way: read prompts, pick a drafter."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
-from safetensors import SafetensorError
-
-from codraft.config import Config, ConfigError, GenerateConfig
+from codraft.config import ConfigError, GenerateConfig
+from codraft.drafts.export import check_family, read_draft
 from codraft.jsonl import read_jsonl
-from codraft.models import Tokenizer, Transformer, load_model
+from codraft.models import Tokenizer, Transformer
 from codraft.rollout.drafter import Drafter
 from codraft.rollout.drafters import NgramDrafter
-
-if TYPE_CHECKING:
-    from codraft.drafts import DraftModel
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_policy(cfg: Config) -> tuple[Transformer, Tokenizer]:
-    """The policy of `model.*`; a checkpoint that cannot be read is a ConfigError naming model.path."""
-    try:
-        model, tokenizer = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
-    except (OSError, ValueError, SafetensorError) as e:  # missing files, refused pickles, bad configs, torn weights
-        raise ConfigError(f"model.path: {e}") from e
-    return model.eval(), tokenizer
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, chat_template: bool) -> list[int]:
@@ -60,18 +42,6 @@ def build_drafter(gen: GenerateConfig, policy: Transformer) -> Drafter | None:
         return None
     if gen.drafter == "ngram":
         return NgramDrafter()
-    from codraft.drafts.export import check_family
-
     draft = check_family(read_draft(gen.draft_path, policy, "generate.draft_path"), "generate.draft_path",
                          "generate.drafter", gen.drafter)
     return draft.drafter()
-
-
-def read_draft(path: str, policy: Transformer, key: str) -> DraftModel:
-    """The exported draft at `path` (the value of config key `key`); one that cannot be read is a ConfigError."""
-    from codraft.drafts.export import load_draft
-
-    try:
-        return load_draft(path, policy)
-    except (OSError, ValueError, KeyError, SafetensorError) as e:  # missing files, bad config.json, torn weights
-        raise ConfigError(f"{key}: {e}") from e

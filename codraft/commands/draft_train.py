@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import logging
 
-from codraft.commands.common import load_policy
-from codraft.config import Config, ConfigError
-from codraft.drafts.distill import live_accuracy, split_prompts, start_distillation
+from codraft.config import DRAFT_FAMILIES, Config, ConfigError
+from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
 from codraft.drafts.evaluate import acceptance_metrics, eval_k, measure_acceptance
 from codraft.drafts.export import export_draft
+from codraft.models import load_policy
 from codraft.observability import MetricsLogger, prepare_run_dir, progress
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def main(cfg: Config) -> int:
     if cfg.draft.family == "none":
-        raise ConfigError("draft.family must be one of eagle3, dflash, dspark for draft-train (got 'none')")
+        raise ConfigError(f"draft.family must be one of {', '.join(DRAFT_FAMILIES)} for draft-train (got 'none')")
     dt = cfg.draft_train
     policy, tokenizer = load_policy(cfg)
     train_prompts, held_out = split_prompts(cfg, tokenizer, dt.held_out_prompts)

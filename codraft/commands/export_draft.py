@@ -16,11 +16,11 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from codraft.commands.common import load_policy, read_draft
 from codraft.config import Config, ConfigError, load_config
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, is_draft_dir
-from codraft.rl.checkpoint import latest_checkpoint
+from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, is_draft_dir, read_draft
+from codraft.models import load_policy
+from codraft.train.checkpoint import latest_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 
-from codraft.commands.common import build_drafter, encode_prompt, load_policy, read_prompts
+from codraft.commands.common import build_drafter, encode_prompt, read_prompts
 from codraft.config import Config
+from codraft.models import load_policy
 from codraft.observability import MetricsLogger, prepare_run_dir, progress
 from codraft.rollout import SpeculationController, generate
 

@@ -8,12 +8,11 @@ from contextlib import nullcontext
 from codraft.config import Config
 from codraft.interrupt import StopOnSignal
 from codraft.observability import MetricsLogger, progress
-from codraft.parallel.cp_train import sharding_for
+from codraft.parallel.collectives import anyone, prepare_run_dir, watch
 from codraft.parallel.launch import launched, relaunch
-from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
-from codraft.rl.resume import resumable_checkpoint
-from codraft.rl.sharding import Sharding
-from codraft.rl.trainer import Trainer
+from codraft.parallel.mesh import ParallelDims, parallel_dims
+from codraft.train.resume import resumable_checkpoint
+from codraft.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -23,21 +22,20 @@ SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/
 
 def main(cfg: Config) -> int:
     p = cfg.parallel
-    if (p.cp > 1 or p.pp > 1) and not launched():
+    if p.dp * p.pp * p.cp > 1 and not launched():
         if cfg.checkpoint.resume is not None:
             resumable_checkpoint(cfg)  # refused here, before relaunch writes the run's config.yaml
         return relaunch(cfg, "train", p.dp * p.pp * p.cp)
-    pipelined = p.pp > 1  # parallel/pp_train.py: the update is a pipeline step over this rank's stage
-    sharding = pipeline_sharding(cfg) if pipelined else sharding_for(cfg)
-    with sharding.watch():  # a rank that stalls fails the others with one line naming it
-        return train(cfg, sharding, PipelineTrainer if pipelined else Trainer)
+    dims = parallel_dims(cfg)
+    with watch(dims):  # a rank that stalls fails the others with one line naming it
+        return train(cfg, dims)
 
 
-def train(cfg: Config, sharding: Sharding, trainer_class: type[Trainer]) -> int:
+def train(cfg: Config, dims: ParallelDims) -> int:
     """The steps from the checkpoint resumed (or 0) to rl.steps; the exit code (128 + a signal that stopped it)."""
-    trainer = trainer_class(cfg, None, sharding)  # loads and checks every input
-    run_dir = trainer.run_dir = sharding.prepare_run_dir(cfg)  # only now: a refused run leaves nothing on disk
-    writer = sharding.is_writer  # one rank of a CP group or pipeline writes metrics and checkpoints
+    trainer = Trainer(cfg, None, dims)  # loads and checks every input
+    run_dir = trainer.run_dir = prepare_run_dir(cfg, dims)  # only now: a refused run leaves nothing on disk
+    writer = dims.is_writer  # global rank 0 alone writes metrics and checkpoints
     history: list[dict] = []
     resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
@@ -52,7 +50,7 @@ def train(cfg: Config, sharding: Sharding, trainer_class: type[Trainer]) -> int:
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
             log.info("step %d/%d  %s", trainer.step, cfg.rl.steps, "  ".join(f"{k} {v:.3f}" for k, v in live.items()))
-            if sharding.anyone(stop.signum is not None):  # every rank stops after the same step
+            if anyone(stop.signum is not None, dims):  # every rank stops after the same step
                 break
             every = cfg.checkpoint.every
             if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from codraft.config import DraftConfig
+from codraft.config import DRAFT_FAMILIES, DraftConfig
 from codraft.drafts import dflash, dspark, eagle3
 from codraft.drafts.base import DraftBatch, DraftModel
 from codraft.drafts.vocab import count_tokens
@@ -33,7 +33,8 @@ def build_draft(cfg: DraftConfig, policy: Transformer, tokenizer: Tokenizer | No
         draft = family(cfg, args, tokenizer_vocab_size=tokenizer.vocab_size if tokenizer else None,
                        special_ids=special)
     else:
-        raise ValueError(f"draft.family must be one of eagle3, dflash, dspark to build a draft; got {cfg.family!r}")
+        raise ValueError(f"draft.family must be one of {', '.join(DRAFT_FAMILIES)} to build a draft; "
+                         f"got {cfg.family!r}")
     param = next(policy.parameters())
     return draft.to(device=param.device, dtype=param.dtype).attach(policy)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from codraft.attention import AttentionOutput, Branches, branch_attention
@@ -132,6 +133,33 @@ class DraftModel(nn.Module):
         """config.json of the exported draft (must let `from_export` rebuild it)."""
         raise NotImplementedError
 
+    def layer_export_config(self) -> dict:
+        """The keys every family's config.json shares: the draft layers' shapes (HF names) and the policy's
+        vocabulary."""
+        a = self.layer_args
+        return {
+            "hidden_size": a.hidden_size,
+            "intermediate_size": a.intermediate_size,
+            "num_attention_heads": a.num_heads,
+            "num_key_value_heads": a.num_kv_heads,
+            "head_dim": a.head_dim,
+            "rms_norm_eps": a.rms_norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": a.rope_scaling,
+            "max_position_embeddings": a.max_position_embeddings,
+            "vocab_size": self.policy_args.vocab_size,
+            "attention_bias": False,
+            "torch_dtype": str(self.fusion.fc.weight.dtype).removeprefix("torch."),
+        }
+
+    @staticmethod
+    def check_policy_fit(config: dict, fits: dict[str, int], required: bool = True) -> None:
+        """ValueError unless the exported config's `fits` keys hold the policy's values (a key the config lacks
+        fails when `required`, else passes)."""
+        for key, have in fits.items():
+            if config.get(key, None if required else have) != have:
+                raise ValueError(f"draft config {key}={config.get(key)} does not fit the policy's {key}={have}")
+
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the exported names (no borrowed policy weights)."""
         return {name: t.detach() for name, t in self.state_dict().items()}
@@ -159,6 +187,26 @@ class DraftModel(nn.Module):
 
     def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
         raise NotImplementedError
+
+
+def write_cache(cache: KVCache, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                valid: torch.Tensor | None = None) -> None:
+    """Write the slots' keys/values [B, S, Hkv, D] at their positions [B, S] into the draft's cache; with
+    `valid` [B, S] only those slots (padding of short rows might land past the cache's end)."""
+    if valid is None:
+        cache.write(layer, positions, k.transpose(1, 2), v.transpose(1, 2))
+        return
+    b, j = valid.nonzero(as_tuple=True)
+    p = positions[b, j]
+    cache.k[layer][b, :, p], cache.v[layer][b, :, p] = k[b, j], v[b, j]
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Inference attention over a draft's keys: q [B, S, H, D], keys/values [B, Hkv, L, D] (cached and/or
+    fresh), visible [B, S or 1, L] bool -> [B, S, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 @dataclass

@@ -63,13 +63,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from codraft.attention import Branches
 from codraft.config import DraftConfig
 from codraft.drafts.anchors import sample_anchors
-from codraft.drafts.base import DraftBatch, DraftModel, DraftState
+from codraft.drafts.base import DraftBatch, DraftModel, DraftState, cache_attention, write_cache
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
@@ -269,7 +268,7 @@ class DFlashDraft(DraftModel):
             "draft/expected_accept": (total((accept * valid).sum()) / n).item(),
         }
         per_slot = total(correct.sum(0)) / total(valid.sum(0)).clamp(min=1)
-        metrics.update({f"draft/acc_slot_{k + 1}": acc for k, acc in enumerate(per_slot.tolist())})
+        metrics.update({f"draft/acc_pos_{k}": acc for k, acc in enumerate(per_slot.tolist())})  # slot k + 1
         return metrics
 
     # --- inference ---
@@ -284,12 +283,9 @@ class DFlashDraft(DraftModel):
             steps = torch.arange(U, device=state.absorbed.device)
             positions = state.absorbed[:, None] + steps  # [B, U]
             valid = steps[None] < state.fresh_len[:, None]
-            rows, at = valid.nonzero(as_tuple=True)[0], positions[valid]
             context = self.fresh_features(state)  # [B, U, H]
             for i in range(len(self.layers)):
-                k, v = self.context_kv(i, context, positions)  # [B, U, Hkv, D]
-                state.cache.k[i][rows, :, at] = k[valid]
-                state.cache.v[i][rows, :, at] = v[valid]
+                write_cache(state.cache, i, positions, *self.context_kv(i, context, positions), valid)
         state.absorb_all()
         state.cache.lengths.copy_(state.absorbed)
 
@@ -304,10 +300,7 @@ class DFlashDraft(DraftModel):
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys = torch.cat([state.cache.k[i, :, :, :L], k.transpose(1, 2)], dim=2)  # [B, Hkv, L + b, D]
             values = torch.cat([state.cache.v[i, :, :, :L], v.transpose(1, 2)], dim=2)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=visible[:, None, None, :], enable_gqa=True
-            )
-            return out.transpose(1, 2)
+            return cache_attention(q, keys, values, visible[:, None])
 
         positions = n[:, None] + torch.arange(b, device=n.device)
         width = min(k, b - 1)
@@ -317,7 +310,7 @@ class DFlashDraft(DraftModel):
 
     # --- export ---
     def export_config(self) -> dict:
-        a, p = self.layer_args, self.policy_args
+        p = self.policy_args
         return {
             "architectures": [self.architecture],
             "codraft_family": self.family,
@@ -330,19 +323,8 @@ class DFlashDraft(DraftModel):
                 "block_size": self.block_size,
             },
             "num_target_layers": p.num_layers,
-            "hidden_size": a.hidden_size,
-            "intermediate_size": a.intermediate_size,
-            "num_attention_heads": a.num_heads,
-            "num_key_value_heads": a.num_kv_heads,
-            "head_dim": a.head_dim,
-            "rms_norm_eps": a.rms_norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": a.rope_scaling,
-            "max_position_embeddings": a.max_position_embeddings,
-            "vocab_size": p.vocab_size,
+            **self.layer_export_config(),
             "tie_word_embeddings": p.tie_word_embeddings,
-            "torch_dtype": str(self.norm.weight.dtype).removeprefix("torch."),
-            "attention_bias": False,
         }
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
@@ -365,13 +347,9 @@ class DFlashDraft(DraftModel):
     @classmethod
     def from_export(cls, config: dict, state: dict[str, torch.Tensor], policy_args: ModelArgs) -> DFlashDraft:
         """Rebuild an exported draft for `policy_args` (call `attach(policy)` before use)."""
-        for key, have in (
-            ("num_target_layers", policy_args.num_layers),
-            ("hidden_size", policy_args.hidden_size),
-            ("vocab_size", policy_args.vocab_size),
-        ):
-            if config.get(key, have) != have:
-                raise ValueError(f"draft config {key}={config[key]} does not fit the policy's {key}={have}")
+        cls.check_policy_fit(config, {"num_target_layers": policy_args.num_layers,
+                                      "hidden_size": policy_args.hidden_size,
+                                      "vocab_size": policy_args.vocab_size}, required=False)
         layer_args = exported_layer_args(replace(policy_args, qk_norm=True, attention_bias=False), config)
         draft = cls(cls.config_from_export(config), policy_args, layer_args=layer_args)
         back = {new: old for old, new in EXPORT_NAMES.items()}

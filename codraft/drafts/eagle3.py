@@ -29,7 +29,7 @@ from torch import nn
 
 from codraft.attention import Branches
 from codraft.config import DraftConfig
-from codraft.drafts.base import DraftBatch, DraftModel, DraftState
+from codraft.drafts.base import DraftBatch, DraftModel, DraftState, cache_attention, write_cache
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
@@ -45,9 +45,17 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def default_tap_layers(num_layers: int) -> list[int]:
-    """Outputs of layers 1, L//2-1, L-4 (0-indexed). Below 7 layers these collide or fall outside the
-    model, so they are clamped into [0, L-1] and deduplicated (fewer taps; only tiny test models)."""
-    return sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+    """Outputs of layers 1, L//2-1, L-4 (0-indexed): always three layers when the policy has at least three
+    (SpecForge, SGLang and vLLM build EAGLE-3's fc for exactly 3 taps). Below 7 layers those collide or fall
+    outside the model, so the taps are low, middle and last instead: min(1, L-3), their midpoint, L-1.
+    A policy of one or two layers gives each of its layers."""
+    L = num_layers
+    if L < 3:
+        return list(range(L))
+    if L < 7:
+        low, high = min(1, L - 3), L - 1
+        return [low, (low + high) // 2, high]
+    return [1, L // 2 - 1, L - 4]
 
 
 def draft_layer_args(policy_args: ModelArgs) -> ModelArgs:
@@ -194,9 +202,9 @@ class Eagle3Draft(DraftModel):
             total = total + self.cfg.ttt_decay**s * step_loss
             with torch.no_grad():
                 agree = (step_logits.argmax(-1) == policy.argmax(-1)).float()
-                stats[f"draft/loss_step_{s}"] = step_loss.detach()
-                stats[f"draft/acc_step_{s}"] = mean(agree)
-                stats[f"draft/expected_accept_step_{s}"] = mean(expected_acceptance(step_logits, policy))
+                stats[f"draft/loss_pos_{s}"] = step_loss.detach()
+                stats[f"draft/acc_pos_{s}"] = mean(agree)
+                stats[f"draft/expected_accept_pos_{s}"] = mean(expected_acceptance(step_logits, policy))
         stats["loss/draft"] = total.detach()
         values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
         return total, dict(zip(stats, values, strict=True))
@@ -253,46 +261,23 @@ class Eagle3Draft(DraftModel):
     ) -> torch.Tensor:
         """Write the slots' keys at their positions, attend to cached keys at positions <= own -> [B, S, H]."""
         q, k, v = self._qkv(hidden, tokens, positions)
-        if valid is None:
-            cache.write(0, positions, k.transpose(1, 2), v.transpose(1, 2))
-        else:  # padded slots of short rows write nothing (they might land past the cache's end)
-            b, j = valid.nonzero(as_tuple=True)
-            p = positions[b, j]
-            cache.k[0][b, :, p], cache.v[0][b, :, p] = k[b, j], v[b, j]
+        write_cache(cache, 0, positions, k, v, valid)
         kv_len = int(positions.max()) + 1
         visible = torch.arange(kv_len, device=positions.device) <= positions[..., None]  # [B, S, kv_len]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            cache.k[0, :, :, :kv_len],
-            cache.v[0, :, :, :kv_len],
-            attn_mask=visible[:, None],
-            enable_gqa=True,
-        )
-        return self.midlayer.finish(out.transpose(1, 2), hidden)
+        out = cache_attention(q, cache.k[0, :, :, :kv_len], cache.v[0, :, :, :kv_len], visible)
+        return self.midlayer.finish(out, hidden)
 
     # --- export (SGLang / vLLM `LlamaForCausalLMEagle3` layout) ---
     def export_config(self) -> dict:
-        a, p = self.layer_args, self.policy_args
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "llama",
-            "hidden_size": a.hidden_size,
-            "target_hidden_size": p.hidden_size,
-            "intermediate_size": a.intermediate_size,
+            **self.layer_export_config(),
+            "target_hidden_size": self.policy_args.hidden_size,
             "num_hidden_layers": 1,
-            "num_attention_heads": a.num_heads,
-            "num_key_value_heads": a.num_kv_heads,
-            "head_dim": a.head_dim,
             "hidden_act": "silu",
-            "rms_norm_eps": a.rms_norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": a.rope_scaling,
-            "max_position_embeddings": a.max_position_embeddings,
-            "vocab_size": p.vocab_size,
             "draft_vocab_size": self.d2t.numel(),
             "tie_word_embeddings": False,
-            "attention_bias": False,
-            "torch_dtype": str(self.lm_head.weight.dtype).removeprefix("torch."),
             # SGLang reads eagle_config's ids as layer OUTPUTS (it captures the input of layer id+1);
             # vLLM reads the top-level ids as layer INPUTS. Both keys describe the same taps.
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.tap_layers), "use_aux_hidden_state": True},
@@ -304,9 +289,7 @@ class Eagle3Draft(DraftModel):
 
     @classmethod
     def from_export(cls, config: dict, state: dict[str, torch.Tensor], policy_args: ModelArgs) -> Eagle3Draft:
-        for field, want in (("vocab_size", policy_args.vocab_size), ("hidden_size", policy_args.hidden_size)):
-            if config.get(field) != want:
-                raise ValueError(f"draft config {field}={config.get(field)} does not fit the policy's {field}={want}")
+        cls.check_policy_fit(config, {"vocab_size": policy_args.vocab_size, "hidden_size": policy_args.hidden_size})
         taps = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if taps is None and config.get("eagle_aux_hidden_state_layer_ids"):
             taps = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]  # vLLM's input-of-layer ids

@@ -28,9 +28,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from codraft.config import ConfigError, DraftConfig
+from codraft.config import DRAFT_FAMILIES, ConfigError, DraftConfig
 from codraft.drafts.base import DraftModel
 from codraft.models import ModelArgs, Transformer
 
@@ -42,6 +43,7 @@ ARCHITECTURES: dict[str, str] = {}  # architectures[0] of a config -> family nam
 
 
 def register_family(name: str, cls: type[DraftModel], architectures: tuple[str, ...] = ()) -> None:
+    assert name in DRAFT_FAMILIES, f"{name}: a draft family is named in config.DRAFT_FAMILIES first"
     FAMILIES[name] = cls
     for arch in architectures:
         ARCHITECTURES[arch] = name
@@ -101,6 +103,14 @@ def load_draft(path: str | Path, policy: Transformer) -> DraftModel:
     draft = FAMILIES[family].from_export(config, state, policy.args)
     device = next(policy.parameters()).device
     return draft.to(device).attach(policy)
+
+
+def read_draft(path: str, policy: Transformer, key: str) -> DraftModel:
+    """The exported draft at `path` (the value of config key `key`); one that cannot be read is a ConfigError."""
+    try:
+        return load_draft(path, policy)
+    except (OSError, ValueError, KeyError, SafetensorError) as e:  # missing files, bad config.json, torn weights
+        raise ConfigError(f"{key}: {e}") from e
 
 
 def draft_config(config: dict) -> DraftConfig:

@@ -18,8 +18,10 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from codraft.config import Config, ConfigError
 from codraft.models.args import ModelArgs
 from codraft.models.gguf_checkpoint import read_gguf
 from codraft.models.hf_checkpoint import read_hf_args, read_hf_state_dict
@@ -135,3 +137,17 @@ def load_model(
         raise ValueError(f"{path} is not a Hugging Face checkpoint directory or a .gguf file")
     _merge_eos(args, tokenizer)
     return build_model(args, state, dtype, device), tokenizer
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_policy(cfg: Config, path: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """The policy of `model.*` (or the model at `path`, e.g. model.ref_path), in eval mode; a checkpoint that
+    cannot be read is a ConfigError naming the key."""
+    key = "model.path" if path is None else "model.ref_path"
+    try:
+        model, tokenizer = load_model(path or cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
+    except (OSError, ValueError, SafetensorError) as e:  # missing files, refused pickles, bad configs, torn weights
+        raise ConfigError(f"{key}: {e}") from e
+    return model.eval(), tokenizer

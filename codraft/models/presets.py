@@ -15,6 +15,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from codraft.config import MODEL_PRESETS
 from codraft.models.args import ModelArgs
 from codraft.models.model import Transformer
 from codraft.models.tokenizer import Tokenizer, bytes_to_unicode
@@ -80,6 +81,7 @@ PRESETS: dict[str, Preset] = {
         args=_tiny(tie_word_embeddings=False, qk_norm=True, head_dim=32),
     ),
 }
+assert tuple(PRESETS) == MODEL_PRESETS, "config.MODEL_PRESETS names the presets built here"
 
 
 def byte_tokenizer() -> Tokenizer:

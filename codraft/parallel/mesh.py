@@ -69,12 +69,20 @@ class ParallelDims:
                 f"{dp} * {pp} * {cp} = {dp * pp * cp} != {world_size} (world size)"
             )
         self.dp, self.pp, self.cp, self.world_size = dp, pp, cp, world_size
+        self.local = False  # one process on its own, whatever the launched world (see `single`)
         self._groups: dict[str, dist.ProcessGroup | None] | None = None
         self.roll_call: RollCall | None = None  # after build(), with more than one rank
         self._usp: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
     def __repr__(self) -> str:
         return f"ParallelDims(dp={self.dp}, pp={self.pp}, cp={self.cp}, world_size={self.world_size})"
+
+    @classmethod
+    def single(cls) -> ParallelDims:
+        """One process computing everything on its own, even inside a launched world (tests compare with it)."""
+        dims = cls(1, 1, 1, 1)
+        dims.local, dims._groups = True, dict.fromkeys(DIMS)
+        return dims
 
     # --- the layout (pure) ---
 
@@ -123,7 +131,16 @@ class ParallelDims:
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
+        return dist.get_rank() if dist.is_initialized() and not self.local else 0
+
+    @property
+    def is_writer(self) -> bool:
+        """Global rank 0 alone writes metrics, checkpoints and the run directory."""
+        return self.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -182,3 +199,10 @@ class ParallelDims:
                             mine[kind] = group
             self._usp[u] = (mine["ulysses"], mine["ring"])
         return self._usp[u]
+
+
+def parallel_dims(cfg) -> ParallelDims:
+    """The built mesh of `parallel.*` over the launched world (torchrun's env, or one process)."""
+    p = cfg.parallel
+    _, world_size = init_distributed(p.timeout_s)
+    return ParallelDims(p.dp, p.pp, p.cp, world_size).build(p.timeout_s)  # same error on every rank for a bad layout

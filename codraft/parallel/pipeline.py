@@ -13,15 +13,16 @@ stage S-1:      layers, norm, head -> logits; fetch the other stages' taps -> `o
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from codraft.config import ConfigError
 from codraft.models import ModelArgs, Transformer
 from codraft.parallel.tapchannel import TapChannel
+from codraft.rl.batch import MicrobatchMeta
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 
@@ -32,7 +33,7 @@ Objective = Callable[[int, torch.Tensor, dict[int, torch.Tensor]], torch.Tensor]
 def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """[first, last) layer range of every stage: an even split, the first stages taking one more when uneven."""
     if not 1 <= pp <= num_layers:
-        raise ValueError(f"parallel.pp={pp} must be in [1, {num_layers}] (the policy has {num_layers} layers)")
+        raise ConfigError(f"parallel.pp={pp} must be in [1, {num_layers}] (the policy has {num_layers} layers)")
     sizes = [num_layers // pp + (s < num_layers % pp) for s in range(pp)]
     bounds = [sum(sizes[:s]) for s in range(pp + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
@@ -52,27 +53,37 @@ def stage_state_dict(full: dict[str, torch.Tensor], stage: Transformer) -> dict[
     return {k: full[k] for k in wanted}
 
 
+def stage_view(policy: Transformer, pp_rank: int, pp: int) -> Transformer:
+    """Stage `pp_rank` over the full policy's own tensors: no copy, and its optimizer steps update the full
+    copy in place (which generates the next rollout after a refit)."""
+    with torch.device("meta"):
+        stage = build_stage(policy.args, pp_rank, pp)
+    stage.load_state_dict(stage_state_dict(policy.state_dict(), stage), assign=True)
+    stage.init_buffers(next(policy.parameters()).device)
+    return stage
+
+
+def stage_keys(args: ModelArgs, pp_rank: int, pp: int) -> list[str]:
+    """The full policy's tensors that stage `pp_rank` owns; a tied head is the embedding, which stage 0 owns."""
+    with torch.device("meta"):
+        keys = list(build_stage(args, pp_rank, pp).state_dict())
+    if args.tie_word_embeddings and pp_rank > 0:
+        keys = [k for k in keys if k != "lm_head.weight"]
+    return keys
+
+
 def tap_sources(tap_layers: tuple[int, ...], num_layers: int, pp: int) -> dict[int, list[int]]:
     """{stage: [tap layers it owns]} for the stages other than the last (whose taps stay local)."""
     ranges = stage_layers(num_layers, pp)
     owner = {layer: s for s, (first, last) in enumerate(ranges) for layer in range(first, last)}
     if unowned := [layer for layer in tap_layers if layer not in owner]:
-        raise ValueError(f"draft tap layers {unowned} belong to no pipeline stage: stages own layers "
+        raise ConfigError(f"draft tap layers {unowned} belong to no pipeline stage: stages own layers "
                          f"{[list(range(*r)) for r in ranges]} (draft.tap_layers must be in [0, {num_layers}))")
     sources: dict[int, list[int]] = {}
     for layer in tap_layers:
         if owner[layer] != pp - 1:
             sources.setdefault(owner[layer], []).append(layer)
     return sources
-
-
-@dataclass
-class MicrobatchMeta:
-    """What a stage needs about one microbatch besides the tensor that flows into it."""
-
-    cu_seqlens: torch.Tensor  # [n + 1] or [n + 2]: the microbatch's sequences, then any padding as one more
-    positions: torch.Tensor  # [1, L] rotary positions
-    tokens: int  # real (unpadded) tokens; taps and logits beyond them are padding
 
 
 class StageModule(nn.Module):

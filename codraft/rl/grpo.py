@@ -207,8 +207,8 @@ def grpo_loss(
 
 
 def grpo_loss_for(rl: RLConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                  inference_logprobs: Tensor) -> tuple[Tensor, dict[str, float]]:
+                  inference_logprobs: Tensor, ref_logprobs: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """`grpo_loss` with the clipping, KL, aggregation and IS-correction settings of `rl.*`."""
     return grpo_loss(logprobs, old_logprobs, advantages, mask, eps_low=rl.eps_low, eps_high=rl.eps_high,
-                     beta=rl.beta, aggregation=rl.aggregation, max_tokens=rl.max_new_tokens,
+                     beta=rl.beta, ref_logprobs=ref_logprobs, aggregation=rl.aggregation, max_tokens=rl.max_new_tokens,
                      inference_logprobs=inference_logprobs, is_correction=rl.is_correction, is_cap=rl.is_cap)

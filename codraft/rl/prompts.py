@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from codraft.config import ConfigError
-from codraft.models import Tokenizer
+from codraft.config import Config, ConfigError
+from codraft.models import Tokenizer, Transformer
 from codraft.rl.tasks import IndexedTask, JsonlTask, Problem, build_prompt_ids
 
 
@@ -51,3 +51,11 @@ def prompt_corpus(task: IndexedTask, encode: PromptEncoder, n: int) -> list[list
             if problem.prompt in needed:
                 ids[problem.prompt] = tokens
     return [ids[p.prompt] for p in sampled]
+
+
+def prompt_encoder(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> PromptEncoder:
+    """Prompts leave room in the policy's context for what a rollout appends, as the engine counts it."""
+    rl = cfg.rl
+    speculative = rl.num_speculative_tokens if cfg.draft.family != "none" else 0
+    return PromptEncoder(tokenizer, cfg.task.chat_template, policy.args.max_position_embeddings,
+                         rl.max_new_tokens + speculative + 1)

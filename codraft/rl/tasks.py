@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from codraft.config import Config, ConfigError
 from codraft.jsonl import read_jsonl
 
 log = logging.getLogger(__name__)
@@ -236,3 +237,16 @@ class ChainTask(IndexedTask):
         first = f"{terms[0]} {ops[0]} {terms[1]} = {_evaluate(terms[:2], ops[:1])}"
         prompt = self.template.format(expression=expression, first_step=first)
         return Problem(prompt, str(_evaluate(terms, ops)))
+
+
+def build_task(cfg: Config) -> IndexedTask:
+    t = cfg.task
+    if t.kind == "chain":
+        return ChainTask(t.min_operand, t.max_operand, t.chain_min_terms, t.chain_max_terms, t.operators,
+                         seed=cfg.run.seed)
+    if t.kind == "jsonl":
+        try:
+            return JsonlTask(t.path, seed=cfg.run.seed)
+        except ValueError as e:  # the row and field at fault
+            raise ConfigError(f"task.path {e}") from e
+    return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)

@@ -13,7 +13,7 @@ import pytest
 from codraft.bench import e2e
 from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
-from codraft.rl.trainer import Trainer
+from codraft.train.trainer import Trainer
 from tests.drafts.test_warm_start import TINY, TINY_RL
 
 

@@ -75,8 +75,8 @@ def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_for
     family's loss and gradients must come out as from the full fp32 forward (anchors drawn the same way)."""
     import torch
 
+    from codraft.distill.distill import cached_batch, draft_batch, policy_outputs
     from codraft.drafts import build_draft
-    from codraft.drafts.distill import cached_batch, draft_batch, policy_outputs
     from tests.drafts.blocks import draft_config, tiny_policy
 
     policy = tiny_policy(dtype=torch.float32)
@@ -109,7 +109,7 @@ def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_for
 
 
 def test_draft_train_lr_warms_up_then_follows_a_cosine_to_its_floor():
-    from codraft.drafts.distill import warmup_cosine
+    from codraft.distill.distill import warmup_cosine
 
     f = warmup_cosine(warmup_steps=2, total_steps=12, min_ratio=0.1)
     assert [f(0), f(1)] == [0.5, 1.0]

@@ -141,9 +141,9 @@ def test_ttt_loss_and_grads_match_unrolled_reference(impl, kind):
     torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-5, atol=1e-7)
     for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    assert set(metrics) >= {"loss/draft", "draft/acc_step_2", "draft/expected_accept_step_0"}
+    assert set(metrics) >= {"loss/draft", "draft/acc_pos_2", "draft/expected_accept_pos_0"}
     assert metrics["loss/draft"] == pytest.approx(loss.item())
-    assert all(0 <= metrics[f"draft/expected_accept_step_{s}"] <= 1 for s in range(3))
+    assert all(0 <= metrics[f"draft/expected_accept_pos_{s}"] <= 1 for s in range(3))
 
 
 def test_policy_gets_no_gradient_from_the_draft_loss():
@@ -159,11 +159,29 @@ def test_policy_gets_no_gradient_from_the_draft_loss():
     assert not any("embed" in n for n in names), "the embedding is borrowed, not owned"
 
 
-def test_default_taps_and_bad_config():
+def test_default_taps_of_deep_policies():
     assert default_tap_layers(32) == [1, 15, 28]
-    assert default_tap_layers(6) == [1, 2]  # clamped and deduplicated below 7 layers
-    assert default_tap_layers(2) == [0, 1]
+    assert default_tap_layers(7) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("layers", [3, 4, 5, 6, 7, 8, 12, 32, 80])
+def test_default_taps_are_three_ascending_layers_of_any_policy_with_three(layers):
+    """SpecForge, SGLang and vLLM build EAGLE-3's fc for exactly 3 taps, concatenated in ascending order."""
+    taps = default_tap_layers(layers)
+    assert len(taps) == 3 and taps == sorted(set(taps)) and taps[0] >= 0 and taps[-1] < layers
+
+
+def test_default_taps_of_shallow_policies():
+    assert default_tap_layers(3) == [0, 1, 2]
+    assert default_tap_layers(4) == [1, 2, 3]
+    assert default_tap_layers(6) == [1, 3, 5]  # low, middle, last below 7 layers
+    assert default_tap_layers(2) == [0, 1]  # every layer of a policy too shallow for three
+
+
+def test_bad_config():
     args = policy_model().args
+    with pytest.raises(ValueError, match="draft.tap_layers' must be strictly ascending: SGLang and vLLM"):
+        Eagle3Draft(DraftConfig(tap_layers=[2, 0, 1]), args)
     with pytest.raises(ValueError, match="ttt_steps"):
         Eagle3Draft(DraftConfig(ttt_steps=0), args)
     with pytest.raises(ValueError, match="tap_layers"):
@@ -259,7 +277,7 @@ def trained():
         loss.backward()
         opt.step()
     assert history[-1]["loss/draft"] < history[0]["loss/draft"]
-    assert history[0]["draft/acc_step_0"] < 0.1 < 0.5 < history[-1]["draft/acc_step_0"]
+    assert history[0]["draft/acc_pos_0"] < 0.1 < 0.5 < history[-1]["draft/acc_pos_0"]
     return policy, draft.eval()
 
 
@@ -300,8 +318,8 @@ def test_export_then_load_gives_the_same_draft(tmp_path):
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["draft_vocab_size"] == 32 and config["vocab_size"] == V and config["tie_word_embeddings"] is False
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2]  # SGLang: layer outputs
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3]  # vLLM: layer inputs
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]  # SGLang: layer outputs
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]  # vLLM: layer inputs
     for key in (
         "hidden_size",
         "intermediate_size",

@@ -1,4 +1,4 @@
-"""`checkpoint.draft_init=auto` (drafts/warm_start.py): hit, miss, a draft that does not fit, a damaged entry."""
+"""`checkpoint.draft_init=auto` (distill/warm_start.py): hit, miss, a draft that does not fit, a damaged entry."""
 
 import dataclasses
 import logging
@@ -8,21 +8,21 @@ import pytest
 import torch
 
 from codraft.cli import main
-from codraft.commands.common import load_policy
 from codraft.config import ConfigError, load_config
-from codraft.drafts import build_draft, warm_start
+from codraft.distill import warm_start
+from codraft.drafts import build_draft
 from codraft.drafts.export import WEIGHTS_FILE, load_draft
-from codraft.models import Transformer
-from codraft.rl.checkpoint import load_checkpoint
-from codraft.rl.trainer import Trainer
-from tests.rl.test_trainer import deterministic, run_metrics
+from codraft.models import Transformer, load_policy
+from codraft.train.checkpoint import load_checkpoint
+from codraft.train.trainer import Trainer
+from tests.train.test_trainer import deterministic, run_metrics
 
 TINY = ["model.path=tiny-llama", "run.tensorboard=false", "task.max_operand=9", "draft_train.num_prompts=4",
         "draft_train.steps=2", "draft_train.batch_size=2", "draft_train.max_new_tokens=8",
         "draft_train.generate_batch_size=4", "draft_train.warmup_steps=0", "draft.draft_vocab_size=64",
         "draft.num_anchors=2"]
 TINY_RL = ["rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=6", "rl.adaptive=false",
-           "rl.drift_every=0", "optim.lr=1e-3", "task.reward=tests.rl.test_trainer:length_reward"]
+           "rl.drift_every=0", "optim.lr=1e-3", "task.reward=tests.train.test_trainer:length_reward"]
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def distillations(monkeypatch) -> list[str]:
 def warnings(caplog) -> list[str]:
     """What warm start warned about (other loggers may be at INFO after a CLI test set logging up)."""
     return [r.getMessage() for r in caplog.records
-            if r.name == "codraft.drafts.warm_start" and r.levelno >= logging.WARNING]
+            if r.name == "codraft.distill.warm_start" and r.levelno >= logging.WARNING]
 
 
 def setup(*overrides):
@@ -68,7 +68,7 @@ def same_weights(a, b) -> bool:
 @pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
 def test_a_miss_distils_and_caches_then_a_hit_loads_the_same_draft(distillations, cache, caplog, family):
     cfg, policy, tokenizer = setup(f"draft.family={family}")
-    with caplog.at_level(logging.INFO, logger="codraft.drafts.warm_start"):
+    with caplog.at_level(logging.INFO, logger="codraft.distill.warm_start"):
         first = warm_start.warm_start_draft(cfg, policy, tokenizer)
     assert distillations == [family] and "no cached draft" in caplog.text
     entry = entry_of(cfg, policy)

@@ -19,10 +19,9 @@ from codraft.parallel.pipeline import (
     tap_sources,
 )
 from codraft.parallel.tapchannel import TapChannel, TapSpec
-from codraft.rl.batch import pack_rollouts, per_sequence, token_logprobs
+from codraft.rl.batch import pack_rollouts, per_sequence, split_rollouts, token_logprobs
 from codraft.rl.grpo import grpo_loss
-from codraft.rl.microbatch import split_rollouts
-from codraft.rl.pipeline_loss import JointObjective
+from codraft.train.objective import JointObjective
 from tests.distributed import run_workers
 
 PRESET = "tiny-llama"  # tied embedding/head: the PP copies of the tied weight must get the summed gradient

@@ -9,8 +9,7 @@ import pytest
 
 from codraft.cli import main
 from codraft.config import load_config
-from codraft.rl.tasks import ChainTask
-from codraft.rl.trainer import build_task
+from codraft.rl.tasks import ChainTask, build_task
 
 CHAIN = re.compile(r'Compute (.+) step by step, from left to right\. Write each partial result on its own line, '
                    r'like "(.+)", and end with "Answer: <number>"\.')

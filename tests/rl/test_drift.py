@@ -10,8 +10,8 @@ from codraft.cli import main
 from codraft.config import load_config
 from codraft.models import load_model
 from codraft.rl.drift import DriftProbe
-from codraft.rl.trainer import Trainer
-from tests.rl.test_trainer import TINY, deterministic, run_metrics
+from codraft.train.trainer import Trainer
+from tests.train.test_trainer import TINY, deterministic, run_metrics
 
 PROMPTS = [[257, 10, 20, 30], [257, 40, 50, 60, 70, 80], [257, 90]]
 

@@ -3,8 +3,8 @@ import logging
 import pytest
 import torch
 
-import codraft.rl.checkpoint as checkpoint
-from codraft.rl.checkpoint import load_checkpoint, save_checkpoint
+import codraft.train.checkpoint as checkpoint
+from codraft.train.checkpoint import load_checkpoint, save_checkpoint
 
 
 def warnings(caplog) -> list:
@@ -50,7 +50,7 @@ def test_a_truncated_newest_checkpoint_falls_back_with_one_warning(tmp_path, cap
     newest = save(tmp_path, 2, 2) / "policy.safetensors"
     size = newest.stat().st_size
     newest.write_bytes(newest.read_bytes()[: size // 2])
-    with caplog.at_level("WARNING", logger="codraft.rl.checkpoint"):
+    with caplog.at_level("WARNING", logger="codraft.train.checkpoint"):
         ckpt = load_checkpoint(tmp_path)
     assert ckpt["meta"]["step"] == 1 and torch.equal(ckpt["tensors"]["policy"]["w"], torch.ones(3))
     (warning,) = warnings(caplog)
@@ -61,7 +61,7 @@ def test_a_checkpoint_damaged_in_place_falls_back_naming_the_error(tmp_path, cap
     save(tmp_path, 1, 1)
     newest = save(tmp_path, 2, 2) / "policy.safetensors"
     newest.write_bytes(b"\xff" * newest.stat().st_size)  # the right size, garbage inside
-    with caplog.at_level("WARNING", logger="codraft.rl.checkpoint"):
+    with caplog.at_level("WARNING", logger="codraft.train.checkpoint"):
         assert load_checkpoint(tmp_path)["meta"]["step"] == 1
     (warning,) = warnings(caplog)
     assert "step_000002 (SafetensorError: " in warning.getMessage()
@@ -70,7 +70,7 @@ def test_a_checkpoint_damaged_in_place_falls_back_naming_the_error(tmp_path, cap
 def test_a_missing_latest_pointer_is_a_warning_not_an_error(tmp_path, caplog):
     save(tmp_path, 1, 1)
     (tmp_path / "checkpoints" / "latest").unlink()
-    with caplog.at_level("WARNING", logger="codraft.rl.checkpoint"):
+    with caplog.at_level("WARNING", logger="codraft.train.checkpoint"):
         assert load_checkpoint(tmp_path)["meta"]["step"] == 1
     (warning,) = warnings(caplog)
     assert "skipped no 'latest' pointer" in warning.getMessage()

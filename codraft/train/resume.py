@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from codraft.config import Config, ConfigError, config_to_dict
-from codraft.rl.checkpoint import META, latest_checkpoint, load_checkpoint
+from codraft.train.checkpoint import META, latest_checkpoint, load_checkpoint
 
 # sections a resumed run must share with the run it continues, but for the keys that may change: the step
 # budget, and when to give up on a broken reward function

@@ -8,7 +8,7 @@ import torch
 
 from codraft.cli import main
 from codraft.config import load_config
-from codraft.rl.trainer import Trainer
+from codraft.train.trainer import Trainer
 
 DESIGN_METRICS = [
     "reward/mean",
@@ -39,7 +39,7 @@ TINY = [
     "run.tensorboard=false",
     "rl.adaptive=false",
     "draft.num_anchors=2",
-    "task.reward=tests.rl.test_trainer:length_reward",
+    "task.reward=tests.train.test_trainer:length_reward",
     "optim.lr=1e-3",
 ]
 
@@ -222,7 +222,7 @@ def test_resume_without_a_complete_checkpoint_is_one_line(tmp_path, capsys):
 ])
 def test_a_run_whose_reward_drops_every_sample_fails_naming_the_function_and_its_error(tmp_path, capsys, reward,
                                                                                       error):
-    spec = f"tests.rl.test_trainer:{reward}"
+    spec = f"tests.train.test_trainer:{reward}"
     assert main(["train", *TINY, "rl.steps=10", f"task.reward={spec}", f"run.dir={tmp_path}"]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == (f"codraft: error: task.reward: the reward function '{spec}' dropped more than 50% of the samples "
@@ -232,9 +232,9 @@ def test_a_run_whose_reward_drops_every_sample_fails_naming_the_function_and_its
 
 
 def test_dropping_a_few_samples_or_a_disabled_guard_does_not_stop_the_run(tmp_path):
-    sometimes = "task.reward=tests.rl.test_trainer:sometimes_raising_reward"
+    sometimes = "task.reward=tests.train.test_trainer:sometimes_raising_reward"
     assert main(["train", *TINY, "rl.steps=4", sometimes, f"run.dir={tmp_path / 'a'}"]) == 0
     assert [r["reward/dropped"] for r in run_metrics(tmp_path / "a")] == [1.0] * 4
-    assert main(["train", *TINY, "rl.steps=4", "task.reward=tests.rl.test_trainer:raising_reward",
+    assert main(["train", *TINY, "rl.steps=4", "task.reward=tests.train.test_trainer:raising_reward",
                  "rl.max_dropped_steps=0", f"run.dir={tmp_path / 'b'}"]) == 0
     assert [r["reward/dropped"] for r in run_metrics(tmp_path / "b")] == [6.0] * 4

@@ -24,10 +24,8 @@ from codraft.config import Config, DraftTrainConfig
 from codraft.drafts import DraftBatch, DraftModel, build_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
-from codraft.rl.batch import pack_rollouts
-from codraft.rl.sharding import Sharding
-from codraft.rl.tasks import JsonlTask, build_prompt_ids
-from codraft.rl.trainer import build_task
+from codraft.rl.batch import pack_rollouts, whole_view
+from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task
 from codraft.rollout import generate
 
 log = logging.getLogger(__name__)
@@ -65,7 +63,7 @@ def draft_batch(policy: Transformer, draft: DraftModel, prompts: list[list[int]]
     device = next(policy.parameters()).device
     packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
     out = policy(packed.input_ids[None], cu_seqlens=packed.cu_seqlens, taps=draft.tap_layers)
-    return Sharding().view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
+    return whole_view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
 
 
 @dataclass
@@ -178,4 +176,4 @@ def start_distillation(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
 
 def live_accuracy(metrics: dict[str, float]) -> float:
     """The draft's first-token agreement with the policy, for progress bars (EAGLE-3 step 0, DFlash slot 1)."""
-    return metrics.get("draft/acc_step_0", metrics.get("draft/acc_slot_1", float("nan")))
+    return metrics.get("draft/acc_pos_0", float("nan"))

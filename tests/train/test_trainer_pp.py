@@ -3,6 +3,7 @@ refit leaves every rank with the same weights (dp replicas too), and `codraft tr
 run's metrics."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,16 +12,16 @@ import torch
 from codraft.cli import main
 from codraft.config import load_config
 from codraft.parallel.dp_task import ReplicaTask
-from codraft.parallel.pp_train import PipelineTrainer, pipeline_sharding
-from codraft.rl.sharding import Sharding
-from codraft.rl.trainer import Trainer, build_task
+from codraft.parallel.mesh import ParallelDims
+from codraft.rl.tasks import build_task
+from codraft.train.trainer import Trainer
 from tests.distributed import run_workers
-from tests.parallel.test_cp_train import TINY, fixed_rollout
+from tests.train.test_trainer_cp import TINY, fixed_rollout
 
 EAGLE3_EXACT = ["draft.family=eagle3", "draft.draft_vocab_size=0", "draft.ttt_steps=2"]  # split loss is exact
 
 
-def captured_update(trainer: Trainer, policy: torch.nn.Module) -> tuple[dict, dict]:
+def captured_update(trainer: Trainer, policy: torch.nn.Module, batch: tuple | None = None) -> tuple[dict, dict]:
     """Metrics and the gradients the optimizers would apply (after clipping), of one update on the fixed rollout;
     `policy` is what the policy optimizer steps (the whole policy, or this rank's stage)."""
     grads = {}
@@ -29,14 +30,14 @@ def captured_update(trainer: Trainer, policy: torch.nn.Module) -> tuple[dict, di
             opt.step = lambda name=name, module=module: grads.update(
                 {f"{name}.{n}": p.grad.numpy().copy() for n, p in module.named_parameters() if p.grad is not None}
             )
-    metrics = trainer._update(*fixed_rollout(trainer.policy.args.vocab_size))
+    metrics = trainer._update(*(batch or fixed_rollout(trainer.policy.args.vocab_size)))
     return metrics, grads
 
 
 def _pp_matches_single(rank: int, world_size: int, draft: list[str], run_dir: str):
     cfg = load_config(None, [*TINY, *draft, f"run.dir={run_dir}", f"parallel.pp={world_size}"])
-    single = Trainer(cfg, run_dir, Sharding())
-    pp = PipelineTrainer(cfg, run_dir, pipeline_sharding(cfg))
+    single = Trainer(cfg, run_dir, ParallelDims.single())
+    pp = Trainer(cfg, run_dir)
     return captured_update(single, single.policy), captured_update(pp, pp.stage)
 
 
@@ -66,7 +67,7 @@ def test_pp2_update_matches_pp1_loss_and_all_gradients(tmp_path, draft):
 def _two_steps_then_weights(rank: int, world_size: int, run_dir: str, dp: int = 1):
     parallel = [f"parallel.dp={dp}", f"parallel.pp={world_size // dp}"]
     cfg = load_config(None, [*TINY, *EAGLE3_EXACT, f"run.dir={run_dir}", *parallel])
-    trainer = PipelineTrainer(cfg, run_dir, pipeline_sharding(cfg))
+    trainer = Trainer(cfg, run_dir)
     before = {n: t.numpy().copy() for n, t in trainer.policy.state_dict().items()}
     metrics = [trainer.train_step() for _ in range(2)]
     weights = {f"policy.{n}": t.numpy().copy() for n, t in trainer.policy.state_dict().items()}
@@ -111,9 +112,31 @@ def test_codraft_train_pp2_writes_every_metric_of_a_pp1_run(tmp_path, parallel):
     assert (ckpt / (ckpt / "latest").read_text() / "policy.safetensors").is_file()
 
 
-def test_data_parallel_without_a_pipeline_is_a_clear_error(tmp_path, capsys):
-    assert main(["train", *TINY, "parallel.dp=2", f"run.dir={tmp_path}"]) == 2
-    assert "parallel.dp=2 runs with parallel.pp > 1 for now" in capsys.readouterr().err
+def _dp_matches_single(rank: int, world_size: int, draft: list[str], run_dir: str):
+    cfg = load_config(None, [*TINY, *draft, f"run.dir={run_dir}", f"parallel.dp={world_size}"])
+    single = Trainer(cfg, run_dir, ParallelDims.single())
+    dp = Trainer(cfg, run_dir)
+    reference = captured_update(single, single.policy)
+    rollout, rows, advantages, keep = fixed_rollout(dp.policy.args.vocab_size)
+    mine = slice(2 * rank, 2 * rank + 2)  # this replica's group of the same prompts
+    part = SimpleNamespace(tokens=rollout.tokens[mine], logprobs=rollout.logprobs[mine])
+    return reference, captured_update(dp, dp.policy, (part, rows[mine], advantages[mine], keep[mine]))
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
+@pytest.mark.parametrize("draft", [["draft.family=none"], EAGLE3_EXACT], ids=["no-draft", "eagle3"])
+def test_plain_dp2_update_matches_the_single_process_update_on_the_same_prompts(tmp_path, draft):
+    """Two replicas, each on one group of the four sequences, sum their share-weighted gradients: the update of
+    one process on all four."""
+    for (m1, g1), (m2, g2) in run_workers(_dp_matches_single, 2, draft, str(tmp_path), timeout=120):
+        assert g2.keys() == g1.keys()
+        for name in g1:
+            torch.testing.assert_close(torch.from_numpy(g2[name]), torch.from_numpy(g1[name]), rtol=1e-4, atol=1e-5,
+                                       msg=name)
+        for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "entropy"):
+            assert (key in m1) == (key in m2), key
+            if key in m1:
+                assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
 
 
 def test_pp_degree_not_matching_the_world_fails_on_every_rank(tmp_path):
@@ -142,7 +165,7 @@ def test_replicas_split_every_draw_of_the_prompts():
 
 def test_pp2_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     """Each stage's optimizer state goes through the checkpoint: steps 3-4 after a resume are steps 3-4 of one run."""
-    from tests.rl.test_trainer import deterministic, run_metrics
+    from tests.train.test_trainer import deterministic, run_metrics
 
     common = [*TINY, *EAGLE3_EXACT, "parallel.pp=2", "rl.optimizer_steps_per_batch=2"]
     full, part = tmp_path / "full", tmp_path / "part"
@@ -174,12 +197,12 @@ def _resume_with(rank: int, world_size: int, run_dir: str, overrides: list[str])
 
 def _pp_cp_matches_single(rank: int, world_size: int, draft: list[str], run_dir: str):
     cfg = load_config(None, [*TINY, *draft, f"run.dir={run_dir}", "parallel.pp=2", "parallel.cp=2"])
-    single = Trainer(cfg, run_dir, Sharding())
-    pp = PipelineTrainer(cfg, run_dir, pipeline_sharding(cfg))
+    single = Trainer(cfg, run_dir, ParallelDims.single())
+    pp = Trainer(cfg, run_dir)
     torch.manual_seed(1)
     reference = captured_update(single, single.policy)
     torch.manual_seed(1)  # DFlash anchors: the same draw on every rank
-    return reference, captured_update(pp, pp.stage), pp.sharding.dims.coords(rank)
+    return reference, captured_update(pp, pp.stage), pp.dims.coords(rank)
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
@@ -188,7 +211,7 @@ def _pp_cp_matches_single(rank: int, world_size: int, draft: list[str], run_dir:
 def test_pp2_cp2_update_matches_pp1_loss_and_all_gradients(tmp_path, draft):
     """Two pipelines of two stages, each stage a CP group of two (ring attention, zigzag microbatches, taps over
     each CP rank's own TapChannel): the update is the single-process one. (DFlash/DSpark draw anchors per
-    microbatch under PP, so their loss equals pp = 1 only in expectation: see rl/pipeline_loss.py.)"""
+    microbatch under PP, so their loss equals pp = 1 only in expectation: see train/objective.py.)"""
     results = run_workers(_pp_cp_matches_single, 4, draft, str(tmp_path), timeout=180)
     assert [c for _, _, c in results] == [{"dp": 0, "pp": p, "cp": c} for p in (0, 1) for c in (0, 1)]
     (m1, g1), _, _ = results[0]

@@ -1,13 +1,21 @@
-"""The joint loss on the last pipeline stage, one microbatch at a time, normalised to the whole batch.
+"""The joint objective, one microbatch at a time: L = w_rl * L_RL(mb) + lambda * w_draft * L_draft(mb).
 
-Each microbatch contributes w_rl * L_RL(mb) + lambda * w_draft * L_draft(mb), with weights from counts over
-the whole batch, so the sum over microbatches is the loss of one forward over the whole batch (pp = 1):
+The one loss of every layout: at pp = 1 the whole batch is one microbatch of weight 1; under PP the last
+stage calls it once per microbatch inside the pipeline schedule. Weights come from counts over the whole
+batch of every data-parallel replica, so the sum over microbatches (and replicas) is the loss of one forward
+over all of it:
   token-mean:    w_rl = response tokens of mb / response tokens of the batch
   sequence-mean: w_rl = sequences with a response token in mb / those in the batch
   dr-grpo:       w_rl = sequences in mb / sequences in the batch (the denominator B * max_tokens is linear in B)
   draft:         w_draft = response tokens of mb / those of the batch. Exact for a draft loss that is one mean
                  over response tokens (EAGLE-3 with the full draft vocab and prompts longer than its TTT steps);
                  DFlash/DSpark sample anchors per sequence, so their split loss matches only in expectation.
+
+Rules, the same everywhere: a non-finite RL loss contributes nothing and the step is skipped after the
+backward (`finite`); a non-finite draft loss is left out of the draft update (`skipped_draft`), never the
+policy's; the ratio's old log-probs are the first pass's own (detached), kept per microbatch for the later
+optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-probs of the same tokens
+(no gradient, computed once per microbatch) enter the k3 KL term (metric kl/ref).
 """
 
 from __future__ import annotations
@@ -15,41 +23,44 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+from torch import nn
 
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
-from codraft.rl.batch import per_sequence
+from codraft.parallel.collectives import sum_over_replicas
+from codraft.parallel.mesh import ParallelDims
+from codraft.rl.batch import Microbatch, per_sequence
 from codraft.rl.grpo import grpo_loss_for
-from codraft.rl.microbatch import Microbatch
 
 
-def rl_weights(microbatches: list[Microbatch], aggregation: str) -> list[float]:
+def rl_weights(microbatches: list[Microbatch], aggregation: str, dims: ParallelDims | None = None) -> list[float]:
+    """Each microbatch's share of the batch of all replicas (collective over the dp group)."""
     if aggregation == "token-mean":
         counts = [float(mb.batch.response_mask.sum()) for mb in microbatches]
     elif aggregation == "sequence-mean":
         counts = [float((mb.batch.response_lengths() > 0).sum()) for mb in microbatches]
     else:  # dr-grpo
         counts = [float(mb.batch.num_sequences) for mb in microbatches]
-    return [c / max(sum(counts), 1.0) for c in counts]
+    total = sum(counts) if dims is None else float(sum_over_replicas(torch.tensor(sum(counts)), dims))
+    return [c / max(total, 1.0) for c in counts]
 
 
 class JointObjective:
-    """Callable objective of the last stage (see `codraft.parallel.pipeline.Objective`); accumulates metrics.
+    """objective(m, logits, taps) -> microbatch m's share of the step's loss; accumulates metrics."""
 
-    The ratio's old log-probs are the first pass's own (detached), as in the pp = 1 trainer: kept per
-    microbatch for the later optimizer steps on the same batch."""
-
-    def __init__(self, rl: RLConfig, draft: DraftModel | None, microbatches: list[Microbatch]):
-        self.rl, self.draft, self.microbatches = rl, draft, microbatches
-        self.w_rl = rl_weights(microbatches, rl.aggregation)
-        self.w_draft = rl_weights(microbatches, "token-mean")
+    def __init__(self, rl: RLConfig, draft: DraftModel | None, microbatches: list[Microbatch],
+                 dims: ParallelDims | None = None, reference: nn.Module | None = None):
+        self.rl, self.draft, self.microbatches, self.reference = rl, draft, microbatches, reference
+        self.w_rl = rl_weights(microbatches, rl.aggregation, dims)
+        self.w_draft = rl_weights(microbatches, "token-mean", dims)
         self.old_lp: dict[int, torch.Tensor] = {}
+        self.ref_lp: dict[int, torch.Tensor] = {}
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
         self.metrics: dict[str, float] = defaultdict(float)
         self.finite = True  # the RL loss of every microbatch so far
         self.skipped_draft = 0
-
-    def reset_metrics(self) -> None:
-        self.metrics, self.finite, self.skipped_draft = defaultdict(float), True, 0
 
     def __call__(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """logits [tokens, V] of microbatch m's view (unpadded), taps {layer: [tokens, H]} detached -> scalar."""
@@ -64,13 +75,24 @@ class JointObjective:
         rl, mb = self.rl, self.microbatches[m]
         logprobs, mask = per_sequence(mb.view.response_logprobs(logits, rl.temperature), mb.batch)
         old = self.old_lp.setdefault(m, logprobs.detach())
+        ref = self._reference_logprobs(m) if rl.beta > 0 else None
         inference_lp, _ = per_sequence(mb.batch.inference_logprobs, mb.batch)
-        loss, metrics = grpo_loss_for(rl, logprobs, old, mb.advantages, mask, inference_lp)
+        loss, metrics = grpo_loss_for(rl, logprobs, old, mb.advantages, mask, inference_lp, ref)
         self._accumulate(metrics, self.w_rl[m])
         if not torch.isfinite(loss):
             self.finite = False
-            return loss.detach().nan_to_num(0.0)  # no gradient; the step is skipped after the pipeline
+            return loss.detach().nan_to_num(0.0)  # no gradient; the step is skipped after the backward
         return loss
+
+    @torch.no_grad()
+    def _reference_logprobs(self, m: int) -> torch.Tensor:
+        """[N, Lmax] the frozen reference's log-probs of microbatch m's response tokens, in this rank's layout."""
+        if m not in self.ref_lp:
+            assert self.reference is not None, "rl.beta > 0 needs the reference policy"
+            view = self.microbatches[m].view
+            out = self.reference(view.input_ids[None], cu_seqlens=view.cu_seqlens, positions=view.positions[None])
+            self.ref_lp[m], _ = per_sequence(view.response_logprobs(out.logits[0], self.rl.temperature), view.batch)
+        return self.ref_lp[m]
 
     def _draft_loss(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         loss, metrics = self.draft.loss(self.microbatches[m].view.draft_batch(taps, logits))
@@ -83,4 +105,3 @@ class JointObjective:
     def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
         for k, v in metrics.items():
             self.metrics[k] += weight * v
-

@@ -9,7 +9,7 @@ the key it was made for and the sha256 of each file.
 A hit is an entry whose cache.json holds this run's key, whose files still have their recorded hashes, and
 whose draft loads for this policy and is of draft.family. Anything short of that (no entry, no or unreadable
 cache.json, another key, truncated or altered weights, a draft of other shapes or family) is never loaded:
-one logged line says why, then a draft is distilled with draft-train's code (drafts/distill.py, budget
+one logged line says why, then a draft is distilled with draft-train's code (distill/distill.py, budget
 draft_train.*, its own progress bar), exported into a temporary directory and renamed into place. A file
 lock per entry makes concurrent runs (or the ranks of one run) wait for one distillation instead of
 repeating it, and distillation draws from its own RNG, so a hit and a miss leave the run in the same state.
@@ -34,8 +34,8 @@ import torch
 from safetensors import SafetensorError
 
 from codraft.config import Config
+from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
 from codraft.drafts.base import DraftModel
-from codraft.drafts.distill import live_accuracy, split_prompts, start_distillation
 from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, export_draft, load_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.models.loading import cache_root

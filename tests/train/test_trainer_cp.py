@@ -8,9 +8,10 @@ import torch
 
 from codraft.cli import main
 from codraft.config import load_config
+from codraft.parallel.collectives import reduce_gradients
+from codraft.parallel.mesh import ParallelDims
 from codraft.rl.batch import pack_rollouts
-from codraft.rl.sharding import Sharding
-from codraft.rl.trainer import Trainer
+from codraft.train.trainer import Trainer
 from tests.distributed import run_workers
 
 TINY = [
@@ -24,7 +25,7 @@ TINY = [
     "rl.draft_weight=1.0",
     "draft.num_anchors=3",
     "draft.block_size=4",
-    "task.reward=tests.rl.test_trainer:length_reward",
+    "task.reward=tests.train.test_trainer:length_reward",
 ]
 
 
@@ -56,7 +57,7 @@ def one_update(trainer: Trainer) -> tuple[dict, dict]:
 
 def _cp_matches_single(rank: int, world_size: int, family: str, run_dir: str):
     cfg = load_config(None, [*TINY, f"draft.family={family}", f"run.dir={run_dir}", f"parallel.cp={world_size}"])
-    single = one_update(Trainer(cfg, run_dir, Sharding()))
+    single = one_update(Trainer(cfg, run_dir, ParallelDims.single()))
     cp = one_update(Trainer(cfg, run_dir))
     return single, cp
 
@@ -97,17 +98,17 @@ def test_cp_degree_not_matching_the_world_fails_on_every_rank(tmp_path):
 def _dflash_loss_anchors_on_one_rank(rank: int, world_size: int, run_dir: str):
     cfg = load_config(None, [*TINY, "draft.family=dflash", f"run.dir={run_dir}", f"parallel.cp={world_size}"])
     results = []
-    for sharding in (Sharding(), None):  # one device, then CP
-        trainer = Trainer(cfg, run_dir, sharding)
+    for dims in (ParallelDims.single(), None):  # one device, then CP
+        trainer = Trainer(cfg, run_dir, dims)
         rollout, rows, _, _ = fixed_rollout(trainer.policy.args.vocab_size)
-        view = trainer.sharding.view(pack_rollouts(rows, rollout.tokens, rollout.logprobs))
+        view = trainer.view(pack_rollouts(rows, rollout.tokens, rollout.logprobs))
         out = trainer.policy(view.input_ids[None], cu_seqlens=view.cu_seqlens, positions=view.positions[None],
                              taps=trainer.draft.tap_layers)
         batch = view.draft_batch({i: t[0] for i, t in out.taps.items()}, out.logits[0])
         # sequence 0 (17 tokens) is cut in chunks of 5 for cp=2: both anchors lie in chunk 1, rank 1's
         loss, _ = trainer.draft.loss(batch, anchors=torch.tensor([6, 9]))
         loss.backward()
-        trainer.sharding.reduce_gradients([trainer.draft])
+        reduce_gradients([trainer.draft], trainer.dims)
         results.append((loss.item(), {n: p.grad.numpy().copy() for n, p in trainer.draft.named_parameters()}))
     return results
 
