@@ -136,7 +136,7 @@ class DraftConfig:
     # EAGLE-3
     ttt_steps: int = 3
     ttt_decay: float = 0.8
-    draft_vocab_size: int = 8192  # most frequent target tokens; 0 = the whole target vocab
+    draft_vocab_size: int = 8192  # most frequent tokens (0 = all): EAGLE-3's head, DFlash/DSpark's drafted ones
     head_from_policy: bool = False  # a fresh draft's norm + head start as the policy's (its draft-vocab rows)
     # DFlash / DSpark
     num_layers: int = 2

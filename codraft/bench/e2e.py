@@ -3,7 +3,7 @@
 Runs with the same seed, prompts and step budget (the config given, e.g. `configs/e2e_chain.yaml`):
   baseline                 no draft, plain decoding
   eagle3 / dflash / dspark co-trained drafts (bench.e2e_families), each warm-started from the draft cache
-                           (checkpoint.draft_init=auto, drafts/warm_start.py), then trained online
+                           (checkpoint.draft_init=auto, distill/warm_start.py), then trained online
   frozen_<family>          the same warm start, never updated (rl.draft_weight=0): the control
                            (bench.e2e_frozen; best: the co-trained family with the highest last-10 tau)
 Every variant is the base config with a few overrides, built through the config loader and validated.

@@ -17,13 +17,14 @@ def build_draft(cfg: DraftConfig, policy: Transformer, tokenizer: Tokenizer | No
                 corpus: Sequence[Sequence[int]] = ()) -> DraftModel:
     """A fresh draft of `cfg.family` for `policy`, attached to it.
 
-    `corpus` (token-id sequences, e.g. tokenized task prompts or rollouts) sets EAGLE-3's
-    reduced vocabulary from token counts; ties, and ids never seen, fall back to id order,
-    which for BPE vocabularies roughly follows merge frequency.
+    `corpus` (token-id sequences, e.g. tokenized task prompts or rollouts) sets the reduced
+    draft vocabulary from token counts (EAGLE-3's head; the policy-head rows DFlash/DSpark
+    score at inference); ties, and ids never seen, fall back to id order, which for BPE
+    vocabularies roughly follows merge frequency.
     """
     args = policy.args
+    counts = count_tokens(corpus, args.vocab_size) if corpus else None
     if cfg.family == "eagle3":
-        counts = count_tokens(corpus, args.vocab_size) if corpus else None
         draft = eagle3.Eagle3Draft(cfg, args, token_counts=counts)
         if cfg.head_from_policy:
             draft.copy_policy_head(policy)
@@ -31,7 +32,7 @@ def build_draft(cfg: DraftConfig, policy: Transformer, tokenizer: Tokenizer | No
         family = dflash.DFlashDraft if cfg.family == "dflash" else dspark.DSparkDraft
         special = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()
         draft = family(cfg, args, tokenizer_vocab_size=tokenizer.vocab_size if tokenizer else None,
-                       special_ids=special)
+                       special_ids=special, token_counts=counts)
     else:
         raise ValueError(f"draft.family must be one of {', '.join(DRAFT_FAMILIES)} to build a draft; "
                          f"got {cfg.family!r}")

@@ -24,7 +24,9 @@ Inference keeps the context K/V of the committed tokens in a per-layer KVCache
 over [pending, MASK...] at positions n..n+b-1 (n = committed tokens of the row);
 block K/V take part in that forward only and are never written to the cache.
 Slots are conditionally independent given the context, so each slot's token is
-drawn from its own distribution, which is the q reported for verification.
+drawn from its own distribution, which is the q reported for verification. With a
+reduced draft vocabulary (`draft.draft_vocab_size` < V) inference scores only the
+policy head's rows for it (vocab.py); training always uses the whole vocabulary.
 
 Export (config.json; weights carry no embedding or lm_head, they are the policy's):
 
@@ -54,6 +56,8 @@ Export (config.json; weights carry no embedding or lm_head, they are the policy'
     layers.{i}.mlp.{gate,up,down}_proj.weight     as the policy's MLP
     norm.weight                                   [H]
     markov.w1.weight, markov.w2.weight            [V, r] each (DSpark)
+    head_vocab                                    [N] int64, ascending target ids drafted at inference
+                                                  (codraft's; absent: the whole vocabulary)
     confidence.weight, confidence.bias            [1, H], [1] (DSpark with confidence head)
 """
 
@@ -68,10 +72,11 @@ from torch import nn
 from codraft.attention import Branches
 from codraft.config import DraftConfig
 from codraft.drafts.anchors import sample_anchors
-from codraft.drafts.base import DraftBatch, DraftModel, DraftState, cache_attention, write_cache
+from codraft.drafts.base import DraftBatch, DraftModel, DraftState, LearnedDrafter, cache_attention, write_cache
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
+from codraft.drafts.vocab import HeadRows, draft_vocab, vocab_ids
 from codraft.models import ModelArgs
 from codraft.models.model import RMSNorm
 from codraft.models.rope import RotaryEmbedding
@@ -134,10 +139,12 @@ class DFlashDraft(DraftModel):
         layer_args: ModelArgs | None = None,
         tokenizer_vocab_size: int | None = None,
         special_ids: Iterable[int] = (),
+        token_counts: torch.Tensor | None = None,
     ):
         """layer_args: shapes of the draft layers (default: the policy's, with q/k norms, no bias); an exported
         draft may differ in heads and MLP width, not in hidden size. Without `cfg.mask_token_id` the MASK id is
-        `pick_mask_token(tokenizer_vocab_size, vocab, special_ids)`."""
+        `pick_mask_token(tokenizer_vocab_size, vocab, special_ids)`. `token_counts` [V] pick the drafted tokens
+        when `cfg.draft_vocab_size` < V (vocab.py)."""
         super().__init__(cfg, policy_args, default_tap_layers(policy_args.num_layers, cfg.num_layers), fusion_norm=True)
         V = policy_args.vocab_size
         mask = cfg.mask_token_id
@@ -151,6 +158,12 @@ class DFlashDraft(DraftModel):
         self.layers = nn.ModuleList(BlockLayer(self.layer_args) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(policy_args.hidden_size, self.layer_args.rms_norm_eps)
         self.rotary = RotaryEmbedding(self.layer_args)
+        if 0 < cfg.draft_vocab_size < V:
+            d2t, _ = draft_vocab(token_counts, V, cfg.draft_vocab_size)
+            self.register_buffer("head_vocab", vocab_ids(d2t))
+        else:
+            self.head_vocab: torch.Tensor | None = None
+        self.rows = {"head": HeadRows()}  # inference heads over head_vocab (DSpark adds its Markov bias)
 
     # --- the block forward, shared by training and inference ---
     def block_ids(self, first: torch.Tensor) -> torch.Tensor:
@@ -184,9 +197,23 @@ class DFlashDraft(DraftModel):
     def draft_block(
         self, hidden: torch.Tensor, first: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden [B, n, H] of slots 1..n, first [B] the anchor -> tokens [B, n], their draft probs [B, n, V]
-        (None when greedy). Independent slots: all drawn at once, each from its own distribution."""
-        return draw_proposal(self.slot_logits(hidden, first[:, None].expand(hidden.shape[:2])), params, generator)
+        """hidden [B, n, H] of slots 1..n, first [B] the anchor -> tokens [B, n] (target ids), their draft probs
+        [B, n, N] over the draft vocabulary (None when greedy). Independent slots: all drawn at once, each from
+        its own distribution."""
+        local, probs = draw_proposal(self.head_logits(hidden), params, generator)
+        return self.target_ids(local), probs
+
+    # --- the inference head over the draft vocabulary ---
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Inference: the policy head's logits [..., N] over `head_vocab` (all V without one)."""
+        if self.head_vocab is None:
+            return self.policy_head(hidden)
+        assert self._head is not None, "call draft.attach(policy) first"
+        return self.rows["head"](self._head, self.head_vocab)(hidden)
+
+    def target_ids(self, local: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> target ids."""
+        return local if self.head_vocab is None else self.head_vocab[local]
 
     def block_loss(
         self,
@@ -272,6 +299,12 @@ class DFlashDraft(DraftModel):
         return metrics
 
     # --- inference ---
+    def drafter(self) -> LearnedDrafter:
+        """Each rollout's drafter re-reads the head rows: a PP/CP refit broadcasts into weights in place,
+        which their version counters do not see."""
+        self.rows = {name: HeadRows() for name in self.rows}
+        return super().drafter()
+
     @property
     def cache_layers(self) -> int:
         return len(self.layers)
@@ -306,7 +339,8 @@ class DFlashDraft(DraftModel):
         width = min(k, b - 1)
         hidden = self.run_block(pending, positions, attend)[:, 1 : 1 + width]
         tokens, probs = self.draft_block(hidden, pending, params, state.generator)
-        return Proposal(tokens, torch.full((B,), width, dtype=torch.long, device=n.device), probs)
+        lengths = torch.full((B,), width, dtype=torch.long, device=n.device)
+        return Proposal(tokens, lengths, probs, vocab=None if probs is None else self.head_vocab)
 
     # --- export ---
     def export_config(self) -> dict:
@@ -351,7 +385,9 @@ class DFlashDraft(DraftModel):
                                       "hidden_size": policy_args.hidden_size,
                                       "vocab_size": policy_args.vocab_size}, required=False)
         layer_args = exported_layer_args(replace(policy_args, qk_norm=True, attention_bias=False), config)
-        draft = cls(cls.config_from_export(config), policy_args, layer_args=layer_args)
+        vocab = state.get("head_vocab")  # z-lab's exports and codraft's older ones draft the whole vocabulary
+        cfg = replace(cls.config_from_export(config), draft_vocab_size=0 if vocab is None else vocab.numel())
+        draft = cls(cfg, policy_args, layer_args=layer_args)
         back = {new: old for old, new in EXPORT_NAMES.items()}
         load_checked(draft, {_rename(name, back): t for name, t in state.items()})
         return draft

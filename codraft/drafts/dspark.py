@@ -31,6 +31,7 @@ from codraft.config import DraftConfig
 from codraft.drafts.dflash import DFlashDraft
 from codraft.drafts.export import register_family
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
+from codraft.drafts.vocab import HeadRows
 from codraft.models import ModelArgs
 from codraft.rollout.sampling import SamplingParams, draw_proposal
 
@@ -56,6 +57,7 @@ class DSparkDraft(DFlashDraft):
         super().__init__(cfg, policy_args, **kwargs)
         self.markov = MarkovHead(policy_args.vocab_size, cfg.markov_rank)
         self.confidence = nn.Linear(policy_args.hidden_size, 1) if cfg.confidence_head else None
+        self.rows["markov"] = HeadRows()
 
     def slot_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
         return self.policy_head(hidden) + self.markov(prev_tokens)
@@ -65,13 +67,20 @@ class DSparkDraft(DFlashDraft):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Left to right: slot k is drawn given the token drafted at slot k-1 (the policy head runs once for all
         slots; only the Markov bias waits for the previous token)."""
-        base = self.policy_head(hidden)  # [B, n, V]
+        base = self.head_logits(hidden)  # [B, n, N]
         tokens, probs, prev = [], [], first
         for k in range(hidden.shape[1]):
-            prev, p = draw_proposal(base[:, k] + self.markov(prev), params, generator)  # [B], [B, V] | None
+            local, p = draw_proposal(base[:, k] + self.markov_logits(prev), params, generator)  # [B], [B, N] | None
+            prev = self.target_ids(local)
             tokens.append(prev)
             probs.append(p)
         return torch.stack(tokens, 1), None if params.greedy else torch.stack(probs, 1)
+
+    def markov_logits(self, prev: torch.Tensor) -> torch.Tensor:
+        """Inference: the Markov bias [..., N] over `head_vocab` (all V without one)."""
+        if self.head_vocab is None:
+            return self.markov(prev)
+        return self.rows["markov"](self.markov.w2.weight, self.head_vocab)(self.markov.w1(prev))
 
     def block_loss(self, hidden, logits, policy_logits, targets, weights, total):
         flat = logits.flatten(0, 1), policy_logits.flatten(0, 1), targets.flatten()

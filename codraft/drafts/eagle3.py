@@ -33,7 +33,7 @@ from codraft.drafts.base import DraftBatch, DraftModel, DraftState, cache_attent
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
-from codraft.drafts.vocab import build_draft_vocab
+from codraft.drafts.vocab import draft_vocab, vocab_ids
 from codraft.models import KVCache, ModelArgs
 from codraft.models.linear import Linear
 from codraft.models.model import RMSNorm
@@ -91,15 +91,11 @@ class Eagle3Draft(DraftModel):
     ):
         super().__init__(cfg, policy_args, default_tap_layers(policy_args.num_layers), fusion_norm=False)
         V, H = policy_args.vocab_size, policy_args.hidden_size
-        if token_counts is None:
-            token_counts = torch.zeros(V, dtype=torch.long)
-        if token_counts.shape != (V,):
-            raise ValueError(f"token_counts must be [{V}] (the policy's vocab); got {tuple(token_counts.shape)}")
         self.layer_args = layer_args or draft_layer_args(policy_args)
         assert self.layer_args.hidden_size == H, "the draft layer works in the policy's hidden size"
         self.midlayer = Eagle3Layer(self.layer_args)
         self.norm = RMSNorm(H, self.layer_args.rms_norm_eps)
-        d2t, t2d = build_draft_vocab(token_counts, cfg.draft_vocab_size)
+        d2t, t2d = draft_vocab(token_counts, V, cfg.draft_vocab_size)
         self.register_buffer("d2t", d2t)  # [N] int64: draft id i is target id i + d2t[i]
         self.register_buffer("t2d", t2d)  # [V] bool: target id is in the draft vocab
         self.lm_head = Linear(H, d2t.numel(), bias=False)
@@ -108,7 +104,7 @@ class Eagle3Draft(DraftModel):
     # --- the layer, shared by training and inference ---
     def draft_ids(self) -> torch.Tensor:
         """[N] target id of each draft id."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+        return vocab_ids(self.d2t)
 
     @torch.no_grad()
     def copy_policy_head(self, policy: nn.Module) -> None:

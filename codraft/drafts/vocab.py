@@ -1,4 +1,9 @@
-"""The reduced draft vocabulary of EAGLE-3: the most frequent target tokens.
+"""The reduced draft vocabulary: the most frequent target tokens.
+
+EAGLE-3 trains its own head over it. DFlash and DSpark train against the whole
+vocabulary through the policy's head, and at inference score only its rows for
+these tokens (`HeadRows`): a block's logits over 49,152 tokens cost SmolLM2 a
+113 MB read per block, most of a block's cost, for tokens the task never drafts.
 
 The draft's head scores only N target tokens. Draft id i stands for target id
 `i + d2t[i]` (int64 offsets, the layout SGLang and vLLM load); `t2d[v]` says
@@ -17,6 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
+
+from codraft.models.linear import Linear, pack_linears
 
 
 def count_tokens(sequences: Iterable[Sequence[int] | torch.Tensor], vocab_size: int) -> torch.Tensor:
@@ -47,3 +55,37 @@ def build_draft_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tupl
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[ids] = True
     return d2t, t2d
+
+
+def draft_vocab(token_counts: torch.Tensor | None, vocab_size: int,
+                draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`build_draft_vocab` over counts of the policy's `vocab_size` ids (None: no counts, the lowest ids)."""
+    if token_counts is None:
+        token_counts = torch.zeros(vocab_size, dtype=torch.long)
+    if token_counts.shape != (vocab_size,):
+        raise ValueError(f"token_counts must be [{vocab_size}] (the policy's vocab); got {tuple(token_counts.shape)}")
+    return build_draft_vocab(token_counts, draft_vocab_size)
+
+
+def vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """Ascending target ids of the draft vocabulary [N]."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+class HeadRows:
+    """`weight[ids]` as a packed Linear for inference, re-gathered when `weight` changed (an optimizer step bumps
+    its version; a refit moves or rewrites it) or `ids` did. Not a Module: it holds no parameters of its own."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, int, int] | None = None
+        self.linear: Linear | None = None
+
+    @torch.no_grad()
+    def __call__(self, weight: torch.Tensor, ids: torch.Tensor) -> Linear:
+        key = (weight._version, weight.data_ptr(), ids.data_ptr())
+        if self.linear is None or key != self.key:
+            linear = Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+            linear.weight = nn.Parameter(weight[ids], requires_grad=False)
+            pack_linears(linear)
+            self.key, self.linear = key, linear
+        return self.linear

@@ -13,7 +13,7 @@ import json
 import math
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from codraft.config import DraftConfig
 from codraft.drafts.base import DraftBatch
@@ -128,10 +128,10 @@ def make_draft(cls=DFlashDraft, policy=None, **overrides):
     return draft.attach(policy), policy
 
 
-def lossless_draft(cls):
+def lossless_draft(cls, **overrides):
     """A draft for test_lossless's 2-layer, vocab-8 policy, tapping both layers, MASK inside the vocab."""
     model = tiny_model(vocab_size=8, sharpen=2.0, tie_word_embeddings=False)
-    cfg = draft_config(cls.family, num_layers=1, block_size=3, tap_layers=[0, 1], mask_token_id=7)
+    cfg = draft_config(cls.family, num_layers=1, block_size=3, tap_layers=[0, 1], mask_token_id=7, **overrides)
     return cls(cfg, model.args).attach(model), model
 
 
@@ -170,3 +170,27 @@ def check_export_round_trip(cls, out_dir, **overrides):
     assert outs[0].tokens == outs[1].tokens
     assert outs[0].stats.draft_tokens_accepted == outs[1].stats.draft_tokens_accepted
     return config
+
+
+def check_reduced_vocab(cls, out_dir):
+    """A draft vocabulary of 20 of 48 tokens: the inference head is the policy head's rows for them, follows
+    in-place updates of the policy head, survives export; an export without it drafts the whole vocabulary."""
+    model = tiny_model(vocab_size=48, sharpen=3.0, tie_word_embeddings=False, num_layers=4)
+    counts = torch.zeros(48, dtype=torch.long)
+    counts[torch.arange(20) * 2] = 5  # the even ids are the frequent ones
+    draft = cls(draft_config(cls.family, mask_token_id=47, draft_vocab_size=20), model.args,
+                token_counts=counts).attach(model)
+    assert draft.head_vocab.tolist() == list(range(0, 40, 2))
+    hidden = torch.randn(2, 3, model.args.hidden_size, dtype=model.lm_head.weight.dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(draft.head_logits(hidden), model.lm_head(hidden)[..., draft.head_vocab])
+        model.lm_head.weight.mul_(2)  # an optimizer step: in place, the version counter moves
+        torch.testing.assert_close(draft.head_logits(hidden), model.lm_head(hidden)[..., draft.head_vocab])
+    export_draft(draft, out_dir)
+    assert load_file(out_dir / "model.safetensors")["head_vocab"].tolist() == draft.head_vocab.tolist()
+    rebuilt = load_draft(out_dir, model)
+    assert rebuilt.head_vocab.tolist() == draft.head_vocab.tolist()
+    state = load_file(out_dir / "model.safetensors")
+    del state["head_vocab"]
+    save_file(state, out_dir / "model.safetensors")
+    assert load_draft(out_dir, model).head_vocab is None

@@ -13,6 +13,7 @@ from tests.drafts.blocks import (
     check_export_round_trip,
     check_greedy,
     check_lossless,
+    check_reduced_vocab,
     draft_config,
     grads,
     lossless_draft,
@@ -189,3 +190,17 @@ def test_bad_config_raises_naming_the_field(overrides, field):
 def test_export_round_trip_gives_identical_proposals(tmp_path):
     config = check_export_round_trip(DFlashDraft, tmp_path / "dflash")
     assert config["dflash_config"] == {"target_layer_ids": [1], "mask_token_id": 47, "block_size": 4}
+
+
+def test_reduced_vocab_proposals_keep_sampling_lossless():
+    draft, model = lossless_draft(DFlashDraft, draft_vocab_size=5)  # tokens 5-7 come only from the target's residual
+    assert draft.head_vocab.tolist() == [0, 1, 2, 3, 4]
+    check_lossless(draft, model, SamplingParams(1.0))
+
+
+def test_reduced_vocab_greedy_speculative_equals_greedy_plain():
+    check_greedy(DFlashDraft, draft_vocab_size=20)
+
+
+def test_reduced_vocab_head_is_the_policy_heads_rows_and_is_exported(tmp_path):
+    check_reduced_vocab(DFlashDraft, tmp_path / "draft")

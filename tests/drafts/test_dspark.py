@@ -12,6 +12,7 @@ from tests.drafts.blocks import (
     check_export_round_trip,
     check_greedy,
     check_lossless,
+    check_reduced_vocab,
     grads,
     lossless_draft,
     make_draft,
@@ -103,3 +104,19 @@ def test_greedy_speculative_equals_greedy_plain_on_ragged_prompts():
 def test_export_round_trip_gives_identical_proposals(tmp_path):
     config = check_export_round_trip(DSparkDraft, tmp_path / "dspark", markov_rank=8, confidence_head=True)
     assert config["markov_rank"] == 8 and config["confidence_head"] is True
+
+
+def test_reduced_vocab_proposals_keep_sampling_lossless():
+    draft, model = lossless_draft(DSparkDraft, draft_vocab_size=5)  # tokens 5-7 come only from the target's residual
+    assert draft.head_vocab.tolist() == [0, 1, 2, 3, 4]
+    with torch.no_grad():
+        draft.markov.w2.weight.normal_(std=2.0)  # the Markov bias over the draft vocabulary takes part
+    check_lossless(draft, model, SamplingParams(1.0))
+
+
+def test_reduced_vocab_greedy_speculative_equals_greedy_plain():
+    check_greedy(DSparkDraft, draft_vocab_size=20)
+
+
+def test_reduced_vocab_head_is_the_policy_heads_rows_and_is_exported(tmp_path):
+    check_reduced_vocab(DSparkDraft, tmp_path / "draft")
