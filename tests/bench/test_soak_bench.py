@@ -3,7 +3,7 @@
 import json
 
 from codraft.cli import main
-from tests.rl.test_trainer import TINY
+from tests.train.test_trainer import TINY
 
 
 def test_soak_kills_and_resumes_a_run_that_then_equals_an_uninterrupted_one(tmp_path, capsys):
