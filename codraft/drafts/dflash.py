@@ -190,8 +190,9 @@ class DFlashDraft(DraftModel):
 
     # --- hooks DSpark overrides ---
     def slot_logits(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] of slots, prev_tokens [...] the token before each slot -> logits [..., V].
-        DFlash slots do not depend on the previous token."""
+        """Training: hidden [..., H] of slots, prev_tokens [...] the token before each slot -> logits [..., V]
+        over the whole vocabulary (inference drafts over `head_vocab`: head_logits). DFlash slots do not depend
+        on the previous token."""
         return self.policy_head(hidden)
 
     def draft_block(

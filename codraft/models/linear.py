@@ -16,7 +16,7 @@ Writes that bypass the version counter (`dist.broadcast` into `.data`) must
 call `unpack_linears` or `pack_linears(..., force=True)`.
 
 oneDNN picks its kernel by row count, and on this machine 1 and 2 rows run a
-path 1.25-1.5x slower than 3-6 rows over the same weight (every SmolLM2 shape,
+path 1.2-1.5x slower than 3-6 rows over the same weight (every SmolLM2 shape,
 lm_head included). `row_padding()` measures that once per process and packed
 calls with too few rows run zero-padded to the fastest count; the real rows'
 results are the same bits either way (tested).
