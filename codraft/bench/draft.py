@@ -10,7 +10,8 @@ max_new_tokens (stop tokens off by default, so every run emits the same number o
 ends rows at EOS as RL rollouts do: greedy runs still emit the same tokens, sampled ones the same distribution,
 and speedups are ratios of tokens per second), medians of interleaved repeats after one warm-up run of each.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
-at fixed k, as a share of a plain decode step at the same batch.
+at fixed k, as a share of a plain decode step at the same batch; the first proposal of each call, which absorbs
+the prompt, is counted as prefill.
 """
 
 from __future__ import annotations
@@ -102,13 +103,18 @@ def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[in
 
 
 def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
-    """The draft's seconds per proposal (per drafted position if `per_token`) / a plain decode step's seconds."""
-    proposals = [k for k in spec.stats.k_chosen if k]
-    if not proposals:
+    """The draft's seconds per proposal (per drafted position if `per_token`) / a plain decode step's seconds.
+
+    Steady proposals only: those that first absorbed a backlog (the prompt) are prefill-like work, as the
+    target's prefill is not a decode step either."""
+    stats = spec.stats
+    ks = [k for k in stats.k_chosen if k]
+    steady = len(ks) - stats.backlog_proposals
+    if steady <= 0:
         return float("nan")
     decode_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
-    per = sum(proposals) if per_token else len(proposals)
-    return spec.stats.time_draft_s / per / decode_s
+    per = sum(ks) * steady / len(ks) if per_token else steady  # fixed k: every proposal drafts the same k
+    return (stats.time_draft_s - stats.time_draft_backlog_s) / per / decode_s
 
 
 def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, batch: int, k: int,

@@ -9,11 +9,16 @@ draft(k)), and turns speculation off (k = 0) when no k beats plain decoding by
 only lose.
 
 Everything is learned from the engine's own steps, so the controller costs
-nothing up front (no calibration forwards): the first step of a fresh
-controller decodes plainly, which times a decode step; acceptance starts from a
-weak prior (0.3, worth one observation), so a useless draft is found out in a
-step or two; while off, probes of one draft token come at growing intervals (8,
-16, ... 64 steps), so a draft that got better is noticed at a bounded cost.
+nothing up front (no calibration forwards): the first two steps of a fresh
+controller decode plainly, which times a decode step (the first call of a shape
+pays one-off costs, so a shape's first timing only stands until its second);
+acceptance starts from a weak prior (0.3, worth one observation), so a useless
+draft is found out in a step or two; while off, probes of one draft token come
+at growing intervals (8, 16, ... 64 steps) and at the start of every generate
+call, so a draft that got better is noticed at a bounded cost; while on, one
+step in 32 decodes plainly to keep the decode cost it compares against fresh. A proposal that first absorbs a backlog (the prompt,
+or the tokens committed while speculation was off) says nothing about the
+steady per-step draft cost, so its time is not learned from.
 """
 
 from __future__ import annotations
@@ -32,15 +37,18 @@ class VerifyCostModel:
 
     def __init__(self, ema: float = 0.3, prior_extra: float = 0.2):
         self.points: dict[int, dict[int, float]] = {}  # tokens per row -> {rows: seconds}
+        self.seen: dict[tuple[int, int], int] = {}  # (rows, tokens) -> observations
         self.ema, self.prior_extra = ema, prior_extra
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         by_rows = self.points.setdefault(tokens, {})
-        old = by_rows.get(rows)
-        by_rows[rows] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+        n = self.seen[rows, tokens] = self.seen.get((rows, tokens), 0) + 1
+        # a shape's first forward pays one-off costs (kernel selection, allocation): the second replaces it
+        by_rows[rows] = seconds if n <= 2 else (1 - self.ema) * by_rows[rows] + self.ema * seconds
 
     def known(self) -> bool:
-        return 1 in self.points
+        """A decode step was timed twice at some row count (its first timing alone is not trusted)."""
+        return any(self.seen.get((rows, 1), 0) >= 2 for rows in self.points.get(1, {}))
 
     def _at_rows(self, tokens: int, rows: int) -> float | None:
         """Cost of `tokens` per row at `rows`, interpolated over observed row counts (flat below the
@@ -72,7 +80,7 @@ class VerifyCostModel:
         return 1 + self.prior_extra * (tokens - 1)
 
     def __call__(self, rows: int, tokens: int) -> float:
-        assert self.known(), "cost model used before any decode step was observed"
+        assert 1 in self.points, "cost model used before any decode step was observed"
         decode = self._at_rows(1, rows)
         if tokens == 1:
             return decode
@@ -85,7 +93,8 @@ class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, decay: float = 0.98,
-                 probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05):
+                 probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05,
+                 refresh_every: int = 32):
         self.max_k = max_k
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
@@ -95,6 +104,16 @@ class SpeculationController:
         self.draft_s: dict[int, float] = {}  # k -> EMA of the draft's seconds for one proposal
         self.probe_k, self.first_probe, self.max_probe_interval = probe_k, first_probe, max_probe_interval
         self.steps_off, self.probe_interval = 0, first_probe
+        # the decode cost is the yardstick of every choice: while speculating, a plain step re-times it once in
+        # `refresh_every` steps at each row count (and at a row count never decoded at), else it would stay what
+        # the first steps measured
+        self.refresh_every = refresh_every
+        self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
+
+    def new_batch(self) -> None:
+        """A generate call starts: new prompts (and, in training, an updated draft) may accept differently, so
+        if speculation is off its next step is a probe."""
+        self.steps_off = max(self.steps_off, self.probe_interval - 1)
 
     @property
     def accept(self) -> list[float]:
@@ -124,13 +143,15 @@ class SpeculationController:
 
     def choose(self, rows: int) -> int:
         if not self.cost.known():
-            return 0  # the first step decodes plainly and so times a decode step
+            return 0  # the first steps decode plainly and so time a decode step
         rates = [self.tokens_per_second(rows, k) for k in range(self.max_k + 1)]
         best = max(range(self.max_k + 1), key=rates.__getitem__)
         if rates[best] < (1 + self.min_gain) * rates[0]:  # a predicted gain within the model's error is no gain
             best = 0
         if best:
             self.steps_off, self.probe_interval = 0, self.first_probe
+            if self.since_decode.get(rows, self.refresh_every) >= self.refresh_every:
+                return 0
             return best
         self.steps_off += 1
         if self.steps_off < self.probe_interval:
@@ -140,12 +161,14 @@ class SpeculationController:
         return min(self.probe_k, self.max_k)
 
     def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,
-                draft_s: float) -> None:
-        """reached[i]/accepted[i]: rows for which draft position i was in play / accepted."""
+                draft_s: float | None) -> None:
+        """reached[i]/accepted[i]: rows for which draft position i was in play / accepted. draft_s: seconds of
+        the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting)."""
         for i in range(min(k, self.max_k)):
             self.hits[i] = self.decay * self.hits[i] + accepted[i]
             self.trials[i] = self.decay * self.trials[i] + reached[i]
         self.cost.observe(rows, k + 1, verify_s)
-        if k:
+        self.since_decode[rows] = self.since_decode.get(rows, 0) + 1 if k else 0
+        if k and draft_s is not None:
             old = self.draft_s.get(k)
             self.draft_s[k] = draft_s if old is None else 0.7 * old + 0.3 * draft_s

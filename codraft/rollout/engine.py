@@ -117,6 +117,8 @@ def generate(
     controller = adaptive if isinstance(adaptive, SpeculationController) else None
     if adaptive is True and k_max:
         controller = SpeculationController(k_max)
+    if controller is not None:
+        controller.new_batch()
 
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
@@ -171,6 +173,7 @@ def generate(
     if bool(done.any()):
         retire(done, hit_stop)
 
+    caught_up = False  # the drafter absorbed everything up to the last step (False: the prompt is pending)
     while rows.numel():
         live = rows.numel()
         k = controller.choose(live) if controller is not None else k_max
@@ -186,6 +189,9 @@ def generate(
                 k = min(k, proposal.tokens.shape[1])  # a drafter may propose fewer (a DFlash block holds b-1)
         t_verify = time.perf_counter()
         stats.time_draft_s += t_verify - t_draft
+        if k and not caught_up:
+            stats.time_draft_backlog_s += t_verify - t_draft
+            stats.backlog_proposals += 1
 
         if proposal is not None:
             budget = max_new_tokens - n_out - 1  # the step also emits one target token
@@ -238,8 +244,9 @@ def generate(
             emitted_count,
             num_drafts if k else None,
             time.perf_counter() - t_verify,
-            t_verify - t_draft,
+            t_verify - t_draft if caught_up else None,
         )
+        caught_up = k > 0
         done = hit | (n_out >= max_new_tokens)
         if bool(done.any()):
             retire(done, hit)
@@ -264,7 +271,7 @@ def _count_step(
     emitted: torch.Tensor,
     num_drafts: torch.Tensor | None,
     verify_s: float,
-    draft_s: float,
+    draft_s: float | None,
 ) -> None:
     stats.target_forwards += 1
     stats.row_verifies += live

@@ -20,6 +20,10 @@ class RolloutStats:
     malformed_proposals: int = 0
     time_prefill_s: float = 0.0
     time_draft_s: float = 0.0
+    # of time_draft_s, proposals that first absorbed a backlog (the prompt, or tokens committed while speculation
+    # was off): prefill-like work, apart from the steady cost of drafting
+    time_draft_backlog_s: float = 0.0
+    backlog_proposals: int = 0
     time_verify_s: float = 0.0
     time_pack_s: float = 0.0  # re-packing weights that changed since the last call (models/linear.py)
     time_total_s: float = 0.0

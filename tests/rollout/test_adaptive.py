@@ -4,8 +4,9 @@ from codraft.rollout.adaptive import SpeculationController, VerifyCostModel
 
 
 def controller_with_costs(decode_s: float, extra_per_token: float, rows: int = 1, max_k: int = 4):
-    """A controller whose cost model observed a decode step and a (max_k + 1)-token verify at `rows`."""
+    """A controller whose cost model observed two decode steps and a (max_k + 1)-token verify at `rows`."""
     c = SpeculationController(max_k)
+    c.cost.observe(rows, 1, decode_s)
     c.cost.observe(rows, 1, decode_s)
     c.cost.observe(rows, max_k + 1, decode_s * (1 + extra_per_token * max_k))
     return c
@@ -35,8 +36,9 @@ def test_k_is_positive_when_verification_is_cheap():
 
 def test_a_useless_draft_is_turned_off_within_two_steps_and_probed_rarely():
     c = SpeculationController(4)
-    assert c.choose(8) == 0  # nothing measured yet: decode plainly, which times a decode step
-    c.observe(0, [], [], 8, verify_s=0.010, draft_s=0.0)
+    for _ in range(2):  # nothing trusted yet: decode plainly, which times a decode step (twice: warm-up)
+        assert c.choose(8) == 0
+        c.observe(0, [], [], 8, verify_s=0.010, draft_s=None)
     on = []
     for _ in range(100):
         k = c.choose(8)
@@ -51,11 +53,15 @@ def test_a_draft_that_got_better_is_noticed_by_a_probe():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=1)
     observe_acceptance(c, 0.0, rows=1, steps=5, k=1)
     assert c.choose(1) == 0
+    chosen = []
     for _ in range(80):
         k = c.choose(1)
+        chosen.append(k)
         if k:
             observe_acceptance(c, 0.9, rows=1, steps=1, k=k)
-    assert c.choose(1) > 0
+        else:
+            c.observe(0, [], [], 1, verify_s=0.01, draft_s=None)
+    assert sum(k > 0 for k in chosen[-10:]) >= 9, chosen  # on again, but for a plain step that re-times decode
 
 
 def test_cost_model_keys_on_rows_and_tokens_not_their_product():
@@ -67,3 +73,49 @@ def test_cost_model_keys_on_rows_and_tokens_not_their_product():
     # an unobserved shape: the decode cost at those rows times the verify/decode ratio of the nearest rows
     assert abs(cost(8, 8) - 0.030 * 0.020 / 0.018) < 1e-12
     assert abs(cost(4, 1) - (0.018 + (0.030 - 0.018) * 3 / 7)) < 1e-12
+
+
+def test_a_shapes_first_timing_is_replaced_by_its_second():
+    cost = VerifyCostModel()
+    cost.observe(4, 1, 0.050)  # the first call of a shape pays one-off costs
+    cost.observe(4, 1, 0.040)
+    assert cost(4, 1) == 0.040
+    cost.observe(4, 1, 0.050)
+    assert abs(cost(4, 1) - (0.7 * 0.040 + 0.3 * 0.050)) < 1e-12
+
+
+def test_decoding_stays_plain_until_a_decode_step_was_timed_twice():
+    c = SpeculationController(4)
+    assert c.choose(1) == 0
+    c.observe(0, [], [], 1, verify_s=0.010, draft_s=None)
+    assert c.choose(1) == 0 and not c.cost.known()
+    c.observe(0, [], [], 1, verify_s=0.010, draft_s=None)
+    assert c.cost.known()
+
+
+def test_a_proposal_that_absorbed_a_backlog_does_not_set_the_draft_cost():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.05)
+    c.observe(2, [1, 1], [1, 0], 1, verify_s=0.0105, draft_s=None)  # e.g. a probe after 64 steps off
+    assert c.draft_cost(2) == 0.0
+    c.observe(2, [1, 1], [1, 0], 1, verify_s=0.0105, draft_s=0.002)
+    assert c.draft_cost(2) == 0.002
+
+
+def test_while_speculating_a_plain_step_re_times_decode_at_each_row_count():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.02, rows=4)
+    chosen = []
+    for _ in range(70):
+        k = c.choose(4)
+        chosen.append(k)
+        observe_acceptance(c, 0.8, rows=4, steps=1, k=k) if k else c.observe(0, [], [], 4, 0.01, None)
+    plain = [i for i, k in enumerate(chosen) if k == 0]
+    assert plain[0] == 0 and [b - a for a, b in zip(plain, plain[1:])] == [33, 33], chosen
+    assert c.choose(3) == 0  # a row count never decoded at is timed first
+
+
+def test_a_new_batch_probes_a_controller_that_is_off():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=1)
+    observe_acceptance(c, 0.0, rows=1, steps=5, k=1)
+    assert c.choose(1) == 0
+    c.new_batch()
+    assert c.choose(1) == c.probe_k

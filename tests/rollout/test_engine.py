@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from codraft.rollout import Proposal, SamplingParams, generate
+from codraft.rollout import Proposal, SamplingParams, SpeculationController, generate
 from codraft.rollout.drafters import NgramDrafter, PreviousRolloutDrafter
 from codraft.rollout.sampling import probabilities
 from codraft.rollout.verify import verify, verify_greedy
@@ -111,6 +111,34 @@ def test_adaptive_speculation_keeps_greedy_output():
     )
     assert spec.tokens == plain.tokens
     assert set(spec.stats.k_chosen) <= set(range(5))
+
+
+def test_proposals_after_a_plain_step_are_counted_as_backlog():
+    """The first proposal of a call absorbs the prompt and one after a plain step the tokens it committed:
+    their time is kept apart (prefill-like work), and the controller does not learn the draft's cost from it."""
+    model = model_for_greedy()
+    fixed = generate(model, PROMPTS, drafter=SkewedDrafter(48), num_speculative_tokens=3, max_new_tokens=12, seed=0)
+    assert fixed.stats.backlog_proposals == 1
+    assert 0 < fixed.stats.time_draft_backlog_s < fixed.stats.time_draft_s
+
+    class Alternating(SpeculationController):
+        def __init__(self):
+            super().__init__(3)
+            self.calls, self.draft_seen = 0, []
+
+        def choose(self, rows):
+            self.calls += 1
+            return 2 * (self.calls % 2)  # 2, 0, 2, 0, ...: every proposal follows a plain step
+
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s):
+            self.draft_seen.append(draft_s)
+            super().observe(k, reached, accepted, rows, verify_s, draft_s)
+
+    c = Alternating()
+    out = generate(model, PROMPTS, drafter=SkewedDrafter(48), num_speculative_tokens=3, max_new_tokens=12, seed=0,
+                   adaptive=c)
+    assert out.stats.backlog_proposals == sum(1 for k in out.stats.k_chosen if k)
+    assert c.draft_seen[0] is None and c.draft_s == {}
 
 
 class Broken(SkewedDrafter):
