@@ -139,6 +139,17 @@ def run_pipeline(module: StageModule, input_ids: torch.Tensor | None, *, schedul
     return losses
 
 
+def run_pipeline_forward(module: StageModule, input_ids: torch.Tensor | None, *, group: dist.ProcessGroup | None,
+                         device: torch.device) -> None:
+    """Forward only, without gradient, of every microbatch of `input_ids` [n_mb, L] (first stage only): the
+    schedule's eval path (GPipe, no loss), so the last stage's `objective` sees each microbatch's logits once."""
+    n_mb = len(module.metas)
+    stage = PipelineStage(module, module.stage, module.pp, device, *_example_io(module), group=group)
+    args = (input_ids,) if module.stage == 0 else ()
+    with torch.no_grad():
+        ScheduleGPipe(stage, n_mb).eval(*args, mb=torch.arange(n_mb, device=device))
+
+
 def _example_io(module: StageModule) -> tuple[torch.Tensor, torch.Tensor]:
     """Static input/output metadata of one microbatch, so the schedule never runs a stage forward of its own to
     infer shapes (a forward posts taps: it must run exactly once per microbatch)."""
