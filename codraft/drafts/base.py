@@ -78,7 +78,7 @@ class DraftModel(nn.Module):
 
     def __init__(self, cfg: DraftConfig, policy_args: ModelArgs, default_taps: list[int], fusion_norm: bool):
         super().__init__()
-        cfg.validate(policy_args.num_layers)
+        cfg.validate(policy_args.num_layers, policy_args.vocab_size)
         self.cfg, self.policy_args = cfg, policy_args
         self.tap_layers: tuple[int, ...] = tuple(cfg.tap_layers if cfg.tap_layers is not None else default_taps)
         self.fusion = TapFusion(len(self.tap_layers), policy_args.hidden_size, policy_args.rms_norm_eps, fusion_norm)

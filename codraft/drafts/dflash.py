@@ -150,8 +150,7 @@ class DFlashDraft(DraftModel):
         mask = cfg.mask_token_id
         if mask is None:
             mask = pick_mask_token(tokenizer_vocab_size or V, V, special_ids)
-        if not 0 <= mask < V:
-            raise ValueError(f"draft.mask_token_id must be in [0, {V}) (the policy's vocab), got {mask}")
+        assert 0 <= mask < V, (mask, V)  # a configured id was checked against the vocab by cfg.validate
         self.mask_token_id = mask
         self.block_size = cfg.block_size
         self.layer_args = layer_args or replace(policy_args, qk_norm=True, attention_bias=False)
