@@ -160,6 +160,14 @@ class DraftModel(nn.Module):
             if config.get(key, None if required else have) != have:
                 raise ValueError(f"draft config {key}={config.get(key)} does not fit the policy's {key}={have}")
 
+    @staticmethod
+    def check_taps_fit(taps: list[int], key: str, num_layers: int) -> list[int]:
+        """`taps`, the exported config's `key`, when they are layers of the policy; else ValueError naming the key
+        (a draft that reads a layer the policy lacks cannot serve on it)."""
+        if bad := [i for i in taps if not 0 <= i < num_layers]:
+            raise ValueError(f"draft config {key} {bad} outside the policy's layers [0, {num_layers - 1}]")
+        return list(taps)
+
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the exported names (no borrowed policy weights)."""
         return {name: t.detach() for name, t in self.state_dict().items()}

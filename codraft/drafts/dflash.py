@@ -387,6 +387,7 @@ class DFlashDraft(DraftModel):
         layer_args = exported_layer_args(replace(policy_args, qk_norm=True, attention_bias=False), config)
         vocab = state.get("head_vocab")  # z-lab's exports and codraft's older ones draft the whole vocabulary
         cfg = replace(cls.config_from_export(config), draft_vocab_size=0 if vocab is None else vocab.numel())
+        cls.check_taps_fit(cfg.tap_layers, "dflash_config.target_layer_ids", policy_args.num_layers)
         draft = cls(cfg, policy_args, layer_args=layer_args)
         back = {new: old for old, new in EXPORT_NAMES.items()}
         load_checked(draft, {_rename(name, back): t for name, t in state.items()})
