@@ -83,7 +83,8 @@ class Trainer:
 
         # parallelism, from outside: every rank starts from rank 0's weights, then trains its part
         broadcast_modules([self.policy, self.draft], dims)
-        self.reference = build_reference(cfg, self.policy, dims)  # rl.beta > 0: staged like the policy
+        # rl.beta > 0: staged like the policy; copied before the policy's ring attention (it gets its own)
+        self.reference = build_reference(cfg, self.policy, dims)
         self.stage = parallelize_policy(self.policy, dims)  # what this rank trains: the policy or its stage
         parallelize_draft(self.draft, dims)
         self.view = batch_view(dims)
