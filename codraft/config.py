@@ -150,7 +150,8 @@ class DraftConfig:
     tv_weight: float = 0.9
     confidence_head: bool = False
 
-    def validate(self, num_policy_layers: int | None = None) -> None:
+    def validate(self, num_policy_layers: int | None = None, policy_vocab_size: int | None = None) -> None:
+        """The section's own rules; with the policy's layer count and vocabulary, those that need them too."""
         require(self.ttt_steps >= 1, "draft.ttt_steps", ">= 1", self.ttt_steps)
         require(self.block_size >= 2, "draft.block_size", ">= 2", self.block_size)
         require(self.num_layers >= 1, "draft.num_layers", ">= 1", self.num_layers)
@@ -164,6 +165,10 @@ class DraftConfig:
         if self.tap_layers is not None and num_policy_layers is not None:
             bad = [i for i in self.tap_layers if not 0 <= i < num_policy_layers]
             require(not bad, "draft.tap_layers", f"layers of the policy, in [0, {num_policy_layers - 1}]", bad)
+        if self.mask_token_id is not None and policy_vocab_size is not None:
+            require(0 <= self.mask_token_id < policy_vocab_size, "draft.mask_token_id",
+                    f"an id of the policy's vocabulary, in [0, {policy_vocab_size - 1}] (or unset: a spare id)",
+                    self.mask_token_id)
 
 
 @dataclass
@@ -394,6 +399,19 @@ class Config:
         if d.family == "none" and self.checkpoint.draft_init is not None:
             raise ConfigError(f"checkpoint.draft_init={self.checkpoint.draft_init} with draft.family=none: "
                               f"name the draft's family (one of {', '.join(DRAFT_FAMILIES)})")
+
+    def check_policy(self, num_layers: int, vocab_size: int) -> None:
+        """The rules that need the policy's shape: checked where the policy is loaded (models.load_policy,
+        models.policy_args before a multi-process launch), before any run directory is written."""
+        p, d = self.parallel, self.draft
+        require(p.pp <= num_layers, "parallel.pp", f"at most the policy's {num_layers} layers (a stage holds one "
+                "at least)", p.pp)
+        if d.family == "none":
+            return
+        d.validate(num_layers, vocab_size)
+        if d.family == "eagle3" and d.tap_layers is not None and num_layers >= 3:
+            require(len(d.tap_layers) == 3, "draft.tap_layers", "3 layers for draft.family=eagle3 (SpecForge, "
+                    "SGLang and vLLM build its fc for exactly 3 taps), or unset for the default 3", d.tap_layers)
 
 
 # --- loading -------------------------------------------------------------------------------

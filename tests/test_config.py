@@ -311,3 +311,49 @@ def test_every_key_that_names_a_draft_family_reads_the_one_list():
     assert values(GenerateConfig, "drafter") == ("none", "ngram", *DRAFT_FAMILIES)
     assert values(ExportConfig, "family") == ("any", *DRAFT_FAMILIES)
     assert sorted(FAMILIES) == sorted(DRAFT_FAMILIES)  # every family registers itself for export under its name
+
+
+# --- rules that need the policy (tiny-llama: 4 layers, vocab 320), checked where it loads, before any run dir ---
+
+POLICY_RULES = {
+    "pp-over-layers": (["parallel.pp=5"], "config key 'parallel.pp' must be at most the policy's 4 layers"),
+    "tap-outside-policy": (["draft.tap_layers=[1,2,7]"],
+                           "config key 'draft.tap_layers' must be layers of the policy, in [0, 3] (got [7])"),
+    "eagle3-two-taps": (["draft.family=eagle3", "draft.tap_layers=[1,2]"],
+                        "config key 'draft.tap_layers' must be 3 layers for draft.family=eagle3 (SpecForge"),
+    "mask-outside-vocab": (["draft.family=dflash", "draft.mask_token_id=320"],
+                           "config key 'draft.mask_token_id' must be an id of the policy's vocabulary, in [0, 319]"),
+    "ref-architecture": (["rl.beta=0.1", "model.ref_path=tiny-qwen3"],
+                         "model.ref_path: tiny-qwen3 is not the architecture of model.path tiny-llama"),
+}
+
+
+@pytest.mark.parametrize("overrides,message", POLICY_RULES.values(), ids=POLICY_RULES.keys())
+def test_a_rule_that_needs_the_policy_is_a_config_error_where_it_loads(overrides, message):
+    from codraft.models import load_policy, policy_args
+
+    cfg = load_config(None, ["model.path=tiny-llama", *overrides])  # the config alone passes
+    for load in (load_policy, policy_args):  # the loaded policy, and its args read before a launch
+        with pytest.raises(ConfigError) as err:
+            load(cfg)
+        assert message in str(err.value) and "\n" not in str(err.value), load.__name__
+
+
+def test_the_policy_rules_accept_their_valid_neighbours():
+    from codraft.models import load_policy, policy_args
+
+    for overrides in (["parallel.pp=4"], ["draft.tap_layers=[0,2,3]"], ["draft.family=dflash", "draft.tap_layers=[1]"],
+                      ["draft.family=dflash", "draft.mask_token_id=319"], ["rl.beta=0.1", "model.ref_path=tiny-llama"],
+                      ["draft.family=none", "draft.tap_layers=[1,2]"]):
+        cfg = load_config(None, ["model.path=tiny-llama", *overrides])
+        assert load_policy(cfg)[0].args.num_layers == policy_args(cfg).num_layers == 4
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel.pp=2"]], ids=["pp1", "pp2-before-relaunch"])
+def test_codraft_train_refuses_a_policy_rule_before_writing_the_run_dir(tmp_path, capsys, layout):
+    from codraft.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "model.path=tiny-llama", "draft.tap_layers=[1,2,7]", *layout, f"run.dir={run}"]) == 2
+    assert "'draft.tap_layers' must be layers of the policy" in capsys.readouterr().err
+    assert not run.exists()

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 from codraft.config import Config
 from codraft.interrupt import StopOnSignal
+from codraft.models import policy_args
 from codraft.observability import MetricsLogger, progress
 from codraft.parallel.collectives import anyone, prepare_run_dir, watch
 from codraft.parallel.launch import launched, relaunch
@@ -23,6 +24,7 @@ SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/
 def main(cfg: Config) -> int:
     p = cfg.parallel
     if p.dp * p.pp * p.cp > 1 and not launched():
+        policy_args(cfg)  # the rules that need the policy, before relaunch writes the run's config.yaml
         if cfg.checkpoint.resume is not None:
             resumable_checkpoint(cfg)  # refused here, before relaunch writes the run's config.yaml
         return relaunch(cfg, "train", p.dp * p.pp * p.cp)

@@ -78,7 +78,7 @@ class DraftModel(nn.Module):
 
     def __init__(self, cfg: DraftConfig, policy_args: ModelArgs, default_taps: list[int], fusion_norm: bool):
         super().__init__()
-        cfg.validate(policy_args.num_layers)
+        cfg.validate(policy_args.num_layers, policy_args.vocab_size)
         self.cfg, self.policy_args = cfg, policy_args
         self.tap_layers: tuple[int, ...] = tuple(cfg.tap_layers if cfg.tap_layers is not None else default_taps)
         self.fusion = TapFusion(len(self.tap_layers), policy_args.hidden_size, policy_args.rms_norm_eps, fusion_norm)
@@ -159,6 +159,14 @@ class DraftModel(nn.Module):
         for key, have in fits.items():
             if config.get(key, None if required else have) != have:
                 raise ValueError(f"draft config {key}={config.get(key)} does not fit the policy's {key}={have}")
+
+    @staticmethod
+    def check_taps_fit(taps: list[int], key: str, num_layers: int) -> list[int]:
+        """`taps`, the exported config's `key`, when they are layers of the policy; else ValueError naming the key
+        (a draft that reads a layer the policy lacks cannot serve on it)."""
+        if bad := [i for i in taps if not 0 <= i < num_layers]:
+            raise ValueError(f"draft config {key} {bad} outside the policy's layers [0, {num_layers - 1}]")
+        return list(taps)
 
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under the exported names (no borrowed policy weights)."""

@@ -150,8 +150,7 @@ class DFlashDraft(DraftModel):
         mask = cfg.mask_token_id
         if mask is None:
             mask = pick_mask_token(tokenizer_vocab_size or V, V, special_ids)
-        if not 0 <= mask < V:
-            raise ValueError(f"draft.mask_token_id must be in [0, {V}) (the policy's vocab), got {mask}")
+        assert 0 <= mask < V, (mask, V)  # a configured id was checked against the vocab by cfg.validate
         self.mask_token_id = mask
         self.block_size = cfg.block_size
         self.layer_args = layer_args or replace(policy_args, qk_norm=True, attention_bias=False)
@@ -388,6 +387,7 @@ class DFlashDraft(DraftModel):
         layer_args = exported_layer_args(replace(policy_args, qk_norm=True, attention_bias=False), config)
         vocab = state.get("head_vocab")  # z-lab's exports and codraft's older ones draft the whole vocabulary
         cfg = replace(cls.config_from_export(config), draft_vocab_size=0 if vocab is None else vocab.numel())
+        cls.check_taps_fit(cfg.tap_layers, "dflash_config.target_layer_ids", policy_args.num_layers)
         draft = cls(cfg, policy_args, layer_args=layer_args)
         back = {new: old for old, new in EXPORT_NAMES.items()}
         load_checked(draft, {_rename(name, back): t for name, t in state.items()})

@@ -289,12 +289,8 @@ class Eagle3Draft(DraftModel):
         taps = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if taps is None and config.get("eagle_aux_hidden_state_layer_ids"):
             taps = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]  # vLLM's input-of-layer ids
-        bad = [i for i in taps or [] if not 0 <= i < policy_args.num_layers]
-        if bad:
-            raise ValueError(
-                f"draft config eagle_aux_hidden_state_layer_ids {bad} outside the policy's layers "
-                f"[0, {policy_args.num_layers - 1}]"
-            )
+        if taps is not None:  # none: the default taps of this policy
+            taps = cls.check_taps_fit(taps, "eagle_aux_hidden_state_layer_ids", policy_args.num_layers)
         cfg = replace(
             draft_config(config),
             family=cls.family,

@@ -15,21 +15,26 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import gguf
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from codraft.config import Config, ConfigError
 from codraft.models.args import ModelArgs
-from codraft.models.gguf_checkpoint import read_gguf
+from codraft.models.gguf_checkpoint import gguf_metadata, model_args_from_gguf, read_gguf, tensor_shapes
 from codraft.models.hf_checkpoint import read_hf_args, read_hf_state_dict
 from codraft.models.model import Transformer
 from codraft.models.presets import PRESETS, byte_tokenizer, random_state_dict
 from codraft.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CACHE_FORMAT = 1  # bump when what a cache entry holds changes, so old entries are not read
 
@@ -142,12 +147,57 @@ def load_model(
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_policy(cfg: Config, path: str | None = None) -> tuple[Transformer, Tokenizer]:
-    """The policy of `model.*` (or the model at `path`, e.g. model.ref_path), in eval mode; a checkpoint that
-    cannot be read is a ConfigError naming the key."""
-    key = "model.path" if path is None else "model.ref_path"
+def read_args(path_or_preset: str | os.PathLike) -> ModelArgs:
+    """The ModelArgs `load_model` would build (end tokens not merged with the tokenizer's), without its weights."""
+    name = str(path_or_preset)
+    preset = PRESETS.get(name)
+    if preset is not None and preset.args is not None:
+        return copy.deepcopy(preset.args)
+    path = preset.locate() if preset is not None else Path(name).expanduser()
+    if path.is_dir():
+        return read_hf_args(path)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise FileNotFoundError(f"{name!r} is neither a Hugging Face checkpoint directory, a .gguf file nor a "
+                                f"preset ({', '.join(PRESETS)})")
+    entry = gguf_cache_dir(path)
+    if entry.is_dir():
+        return ModelArgs(**json.loads((entry / "args.json").read_text(encoding="utf-8")))
+    reader = gguf.GGUFReader(path)  # memory-mapped: the header, not the weights
+    return model_args_from_gguf(gguf_metadata(reader), tensor_shapes(reader))
+
+
+def _read_checked(key: str, read: Callable[[], T]) -> T:
+    """A checkpoint that cannot be read is a ConfigError naming its key."""
     try:
-        model, tokenizer = load_model(path or cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
+        return read()
     except (OSError, ValueError, SafetensorError) as e:  # missing files, refused pickles, bad configs, torn weights
         raise ConfigError(f"{key}: {e}") from e
+
+
+def check_policy_rules(cfg: Config, args: ModelArgs) -> None:
+    """The config rules that need the policy (Config.check_policy), and model.ref_path's architecture."""
+    cfg.check_policy(args.num_layers, args.vocab_size)
+    if cfg.rl.beta > 0 and cfg.model.ref_path is not None:
+        ref = _read_checked("model.ref_path", lambda: read_args(cfg.model.ref_path))
+        if dataclasses.replace(ref, eos_token_id=args.eos_token_id) != args:  # end tokens: not the architecture
+            raise ConfigError(f"model.ref_path: {cfg.model.ref_path} is not the architecture of model.path "
+                              f"{cfg.model.path} (rl.beta > 0 compares their log-probs token by token)")
+
+
+def policy_args(cfg: Config) -> ModelArgs:
+    """model.path's ModelArgs, read without its weights, with every rule of check_policy_rules checked: what a
+    launcher checks before it writes the run directory and starts the processes that load the policy."""
+    args = _read_checked("model.path", lambda: read_args(cfg.model.path))
+    check_policy_rules(cfg, args)
+    return args
+
+
+def load_policy(cfg: Config, path: str | None = None) -> tuple[Transformer, Tokenizer]:
+    """The policy of `model.*` (or the model at `path`, e.g. model.ref_path), in eval mode, with the config rules
+    that need it checked (policy only); a checkpoint that cannot be read is a ConfigError naming the key."""
+    key = "model.path" if path is None else "model.ref_path"
+    model, tokenizer = _read_checked(key, lambda: load_model(path or cfg.model.path, dtype=DTYPES[cfg.model.dtype],
+                                                             device=cfg.model.device))
+    if path is None:
+        check_policy_rules(cfg, model.args)
     return model.eval(), tokenizer

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from codraft.config import ConfigError
 from codraft.models import ModelArgs, Transformer
 from codraft.parallel.tapchannel import TapChannel
 from codraft.rl.batch import MicrobatchMeta
@@ -32,8 +31,7 @@ Objective = Callable[[int, torch.Tensor, dict[int, torch.Tensor]], torch.Tensor]
 
 def stage_layers(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """[first, last) layer range of every stage: an even split, the first stages taking one more when uneven."""
-    if not 1 <= pp <= num_layers:
-        raise ConfigError(f"parallel.pp={pp} must be in [1, {num_layers}] (the policy has {num_layers} layers)")
+    assert 1 <= pp <= num_layers, f"parallel.pp={pp} is checked against the {num_layers} layers at policy load"
     sizes = [num_layers // pp + (s < num_layers % pp) for s in range(pp)]
     bounds = [sum(sizes[:s]) for s in range(pp + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
@@ -76,9 +74,7 @@ def tap_sources(tap_layers: tuple[int, ...], num_layers: int, pp: int) -> dict[i
     """{stage: [tap layers it owns]} for the stages other than the last (whose taps stay local)."""
     ranges = stage_layers(num_layers, pp)
     owner = {layer: s for s, (first, last) in enumerate(ranges) for layer in range(first, last)}
-    if unowned := [layer for layer in tap_layers if layer not in owner]:
-        raise ConfigError(f"draft tap layers {unowned} belong to no pipeline stage: stages own layers "
-                         f"{[list(range(*r)) for r in ranges]} (draft.tap_layers must be in [0, {num_layers}))")
+    assert all(layer in owner for layer in tap_layers), f"tap layers {tap_layers} are checked at policy load"
     sources: dict[int, list[int]] = {}
     for layer in tap_layers:
         if owner[layer] != pp - 1:
@@ -137,6 +133,17 @@ def run_pipeline(module: StageModule, input_ids: torch.Tensor | None, *, schedul
     target = index if module.is_last else None  # the schedule wants a target on the last stage; the loss is made
     sched.step(*args, mb=index, target=target, losses=losses)
     return losses
+
+
+def run_pipeline_forward(module: StageModule, input_ids: torch.Tensor | None, *, group: dist.ProcessGroup | None,
+                         device: torch.device) -> None:
+    """Forward only, without gradient, of every microbatch of `input_ids` [n_mb, L] (first stage only): the
+    schedule's eval path (GPipe, no loss), so the last stage's `objective` sees each microbatch's logits once."""
+    n_mb = len(module.metas)
+    stage = PipelineStage(module, module.stage, module.pp, device, *_example_io(module), group=group)
+    args = (input_ids,) if module.stage == 0 else ()
+    with torch.no_grad():
+        ScheduleGPipe(stage, n_mb).eval(*args, mb=torch.arange(n_mb, device=device))
 
 
 def _example_io(module: StageModule) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ Rules, the same everywhere: a non-finite RL loss contributes nothing and the ste
 backward (`finite`); a non-finite draft loss is left out of the draft update (`skipped_draft`), never the
 policy's; the ratio's old log-probs are the first pass's own (detached), kept per microbatch for the later
 optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-probs of the same tokens
-(no gradient, computed once per microbatch) enter the k3 KL term (metric kl/ref).
+(train/reference.py: no gradient, computed once per update before the forward/backward) enter the k3 KL term
+(metric kl/ref).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from torch import nn
-
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
 from codraft.parallel.collectives import sum_over_replicas
@@ -49,12 +48,13 @@ class JointObjective:
     """objective(m, logits, taps) -> microbatch m's share of the step's loss; accumulates metrics."""
 
     def __init__(self, rl: RLConfig, draft: DraftModel | None, microbatches: list[Microbatch],
-                 dims: ParallelDims | None = None, reference: nn.Module | None = None):
-        self.rl, self.draft, self.microbatches, self.reference = rl, draft, microbatches, reference
+                 dims: ParallelDims | None = None, ref_logprobs: list[torch.Tensor] | None = None):
+        """`ref_logprobs`: [N, Lmax] per microbatch, the reference's (reference_logprobs); needed at rl.beta > 0."""
+        assert rl.beta == 0 or ref_logprobs is not None, "rl.beta > 0 needs the reference's log-probs"
+        self.rl, self.draft, self.microbatches, self.ref_lp = rl, draft, microbatches, ref_logprobs
         self.w_rl = rl_weights(microbatches, rl.aggregation, dims)
         self.w_draft = rl_weights(microbatches, "token-mean", dims)
         self.old_lp: dict[int, torch.Tensor] = {}
-        self.ref_lp: dict[int, torch.Tensor] = {}
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -75,7 +75,7 @@ class JointObjective:
         rl, mb = self.rl, self.microbatches[m]
         logprobs, mask = per_sequence(mb.view.response_logprobs(logits, rl.temperature), mb.batch)
         old = self.old_lp.setdefault(m, logprobs.detach())
-        ref = self._reference_logprobs(m) if rl.beta > 0 else None
+        ref = self.ref_lp[m] if rl.beta > 0 else None
         inference_lp, _ = per_sequence(mb.batch.inference_logprobs, mb.batch)
         loss, metrics = grpo_loss_for(rl, logprobs, old, mb.advantages, mask, inference_lp, ref)
         self._accumulate(metrics, self.w_rl[m])
@@ -83,16 +83,6 @@ class JointObjective:
             self.finite = False
             return loss.detach().nan_to_num(0.0)  # no gradient; the step is skipped after the backward
         return loss
-
-    @torch.no_grad()
-    def _reference_logprobs(self, m: int) -> torch.Tensor:
-        """[N, Lmax] the frozen reference's log-probs of microbatch m's response tokens, in this rank's layout."""
-        if m not in self.ref_lp:
-            assert self.reference is not None, "rl.beta > 0 needs the reference policy"
-            view = self.microbatches[m].view
-            out = self.reference(view.input_ids[None], cu_seqlens=view.cu_seqlens, positions=view.positions[None])
-            self.ref_lp[m], _ = per_sequence(view.response_logprobs(out.logits[0], self.rl.temperature), view.batch)
-        return self.ref_lp[m]
 
     def _draft_loss(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         loss, metrics = self.draft.loss(self.microbatches[m].view.draft_batch(taps, logits))

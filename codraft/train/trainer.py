@@ -56,7 +56,7 @@ from codraft.rollout import SpeculationController, generate
 from codraft.train.checkpoint import save_checkpoint
 from codraft.train.objective import JointObjective
 from codraft.train.optimizers import build_optimizer
-from codraft.train.reference import build_reference
+from codraft.train.reference import build_reference, reference_logprobs
 from codraft.train.resume import load_resumable, resume_sections
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class Trainer:
 
         # parallelism, from outside: every rank starts from rank 0's weights, then trains its part
         broadcast_modules([self.policy, self.draft], dims)
-        self.reference = build_reference(cfg, self.policy, dims)  # rl.beta > 0 only; before ring attention
+        # rl.beta > 0: staged like the policy; copied before the policy's ring attention (it gets its own)
+        self.reference = build_reference(cfg, self.policy, dims)
         self.stage = parallelize_policy(self.policy, dims)  # what this rank trains: the policy or its stage
         parallelize_draft(self.draft, dims)
         self.view = batch_view(dims)
@@ -214,8 +215,11 @@ class Trainer:
                                   [rollout.logprobs[i] for i in idx],
                                   advantages[keep].nan_to_num(0.0).to(self.device), n_mb, device=self.device,
                                   view=self.view)
+        ref_lp = None  # rl.beta > 0: the frozen reference's log-probs, once per update
+        if self.reference is not None:
+            ref_lp = reference_logprobs(self.reference, mbs, ids, dims, rl.temperature)
         last = dims.is_last_stage
-        objective = JointObjective(rl, self.draft, mbs, dims, self.reference) if last else None
+        objective = JointObjective(rl, self.draft, mbs, dims, ref_lp) if last else None
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:
             for _ in range(rl.optimizer_steps_per_batch):

@@ -1,5 +1,6 @@
 """What the draft families share lives in the base (drafts/base.py): the exported layer keys, the policy-fit
-check of `from_export`, cache writes and attention over the draft's KV cache."""
+check of `from_export`, cache writes and attention over the draft's KV cache; and the metrics of the same
+meaning carry one name in every family."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel, cache_attention, write_cache
 from codraft.models import KVCache
-from tests.drafts.blocks import draft_config, tiny_policy
+from tests.drafts.blocks import draft_config, packed_batch, tiny_policy
 
 SHARED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
           "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size", "attention_bias",
@@ -46,3 +47,34 @@ def test_cache_writes_of_valid_slots_and_attention_over_the_cache():
     # row 1 sees only position 0: the output is its value, per query head's kv head
     group = args.num_heads // Hkv
     torch.testing.assert_close(out[1, 0], v[1, 0].repeat_interleave(group, 0))
+
+
+@pytest.mark.parametrize("family,key", [("eagle3", "eagle_aux_hidden_state_layer_ids"),
+                                        ("dflash", "dflash_config.target_layer_ids"),
+                                        ("dspark", "dflash_config.target_layer_ids")])
+def test_from_export_refuses_taps_outside_the_policy_naming_the_family_s_key(family, key):
+    from codraft.drafts.export import FAMILIES
+
+    policy = tiny_policy(dtype=torch.float32)
+    draft = build_draft(draft_config(family, block_size=3, mask_token_id=7), policy)
+    config, state = draft.export_config(), draft.export_state_dict()
+    if family == "eagle3":
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 9]
+    else:
+        config["dflash_config"]["target_layer_ids"] = [9]
+    layers = policy.args.num_layers
+    with pytest.raises(ValueError, match=rf"draft config {key} \[9\] outside the policy's layers \[0, {layers - 1}\]"):
+        FAMILIES[family].from_export(config, state, policy.args)
+
+
+def test_every_family_names_its_draft_loss_and_first_position_accuracy_alike():
+    """loss/draft (the loss trained on) and draft/acc_pos_k (argmax agreement at the k-th drafted position,
+    EAGLE-3's TTT step k, DFlash/DSpark's slot k + 1), so dashboards compare families by one name."""
+    policy = tiny_policy(dtype=torch.float32)
+    names = {}
+    for family in ("eagle3", "dflash", "dspark"):
+        draft = build_draft(draft_config(family, block_size=3, ttt_steps=2, mask_token_id=7), policy)
+        loss, metrics = draft.loss(packed_batch(policy, draft.tap_layers))
+        assert metrics["loss/draft"] == pytest.approx(loss.item()), family
+        names[family] = {k for k in metrics if k.startswith("draft/acc_pos_")}
+    assert names["eagle3"] == names["dflash"] == names["dspark"] == {"draft/acc_pos_0", "draft/acc_pos_1"}

@@ -1,6 +1,6 @@
 """KL to a frozen reference (rl.beta > 0): the k3 term against values computed by hand, the reference the
-trainer keeps (a copy of the initial policy, or model.ref_path; none at beta = 0), and the loss with beta under
-cp=2 and pp=2 equal to pp=1's."""
+trainer keeps (a copy of the initial policy, or model.ref_path; none at beta = 0; under PP each stage holds only
+its layers), and the loss with beta under cp=2 and pp=2 equal to pp=1's."""
 
 import pytest
 import torch
@@ -51,6 +51,27 @@ def test_model_ref_path_must_be_the_policy_s_architecture(tmp_path):
         Trainer(cfg, tmp_path)
     same = Trainer(load_config(None, [*BETA, "model.ref_path=tiny-llama", f"run.dir={tmp_path}"]), tmp_path)
     assert all(torch.equal(p, q) for p, q in zip(same.policy.parameters(), same.reference.parameters(), strict=True))
+
+
+def _reference_part(rank: int, world_size: int, run_dir: str):
+    trainer = Trainer(load_config(None, [*BETA, f"run.dir={run_dir}", f"parallel.pp={world_size}"]), run_dir)
+    policy = trainer.policy.state_dict()
+    part = {n: (torch.equal(p, policy[n if n in policy else "embed_tokens.weight"]),
+                any(p.data_ptr() == q.data_ptr() for q in policy.values()), p.requires_grad)
+            for n, p in trainer.reference.named_parameters()}
+    return part, trainer.policy.args.num_layers
+
+
+def test_under_pp2_each_stage_s_reference_holds_only_its_stage_s_layers(tmp_path):
+    (first, num_layers), (last, _) = run_workers(_reference_part, 2, str(tmp_path), timeout=120)
+    assert num_layers == 4  # tiny-llama: layers 0-1 on stage 0, 2-3 on stage 1
+    layers = {stage: {int(n.split(".")[1]) for n in part if n.startswith("layers.")}
+              for stage, part in enumerate((first, last))}
+    assert layers == {0: {0, 1}, 1: {2, 3}}
+    assert "embed_tokens.weight" in first and not {"norm.weight", "lm_head.weight"} & first.keys()
+    assert "embed_tokens.weight" not in last and {"norm.weight", "lm_head.weight"} <= last.keys()
+    for name, (equal, shared, trainable) in first.items() | last.items():  # a frozen copy of the initial policy
+        assert equal and not shared and not trainable, name
 
 
 def perturbed_update(trainer: Trainer) -> tuple[dict, dict]:
