@@ -12,6 +12,8 @@ import time
 import pytest
 
 from codraft.cli import main
+from codraft.parallel.mesh import ParallelDims
+from codraft.parallel.rollcall import RankTimeout
 from codraft.parallel.tapchannel import TapChannel
 from codraft.train.trainer import Trainer
 from tests.distributed import free_port, run_workers
@@ -110,3 +112,21 @@ def test_a_relaunched_run_whose_rank_freezes_ends_with_one_line_and_exit_code_1(
     assert line.startswith("codraft: error: rank 0 waited parallel.timeout_s=3 s in torch.distributed "), line
     assert line.endswith("rank 1 did not answer a roll call (frozen, stalled or dead)"), line
     assert time.monotonic() - start < 100
+
+
+def _build_the_mesh_without_rank_1(rank: int, world_size: int) -> tuple[str, float]:
+    if rank == 1:  # stalls before ParallelDims.build (killed by the helper once rank 0 is done)
+        time.sleep(60)
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as e:
+        ParallelDims(1, 2, 1, 2).build(timeout_s=TIMEOUT_S)
+    return str(e.value), time.monotonic() - start
+
+
+def test_a_mesh_whose_rank_never_builds_it_fails_within_the_timeout_with_one_line():
+    [(message, seconds)] = run_workers(_build_the_mesh_without_rank_1, 2, timeout=60, pg_timeout=TIMEOUT_S,
+                                       awaited=[0])
+    assert message.startswith(f"rank 0: the mesh's process groups did not form within parallel.timeout_s={TIMEOUT_S} "
+                              "s (a rank did not reach ParallelDims.build): "), message
+    assert "\n" not in message
+    assert seconds < 4 * TIMEOUT_S, seconds
