@@ -7,6 +7,7 @@ from collections import deque
 from contextlib import nullcontext
 
 from codraft.config import Config
+from codraft.host_memory import release_free_memory, rss_mib
 from codraft.interrupt import StopOnSignal
 from codraft.observability import MetricsLogger, progress
 from codraft.parallel.collectives import anyone, prepare_run_dir, watch
@@ -47,6 +48,8 @@ def train(cfg: Config, dims: ParallelDims) -> int:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
+            release_free_memory()  # the step's freed tensors back to the OS: resident memory is what is in use
+            step_metrics["memory/rss_mib"] = rss_mib() or float("nan")  # this rank's (the writer's, in the file)
             if writer:
                 metrics.log(trainer.step, step_metrics)
             (head if len(head) < SUMMARY_STEPS else tail).append(step_metrics)

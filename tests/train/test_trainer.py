@@ -124,7 +124,7 @@ def run_metrics(run_dir) -> list[dict]:
 
 
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(("time/", "rollout/"))}
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "rollout/", "memory/"))}
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
