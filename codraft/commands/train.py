@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from contextlib import nullcontext
 
@@ -48,7 +49,9 @@ def train(cfg: Config, dims: ParallelDims) -> int:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
+            t_release = time.perf_counter()
             release_free_memory()  # the step's freed tensors back to the OS: resident memory is what is in use
+            step_metrics["time/release_memory_s"] = time.perf_counter() - t_release  # outside time/step_s
             step_metrics["memory/rss_mib"] = rss_mib() or float("nan")  # this rank's (the writer's, in the file)
             if writer:
                 metrics.log(trainer.step, step_metrics)
