@@ -141,7 +141,7 @@ def _table(p: dict) -> str:
         [f"RSS after step {first} (killed process) / {last} (resumed process) (MiB)", f"{mb(i0)} / {mb(i1)}"],
         ["metrics.jsonl holds every step exactly once (interrupted, uninterrupted)",
          f"{p['metrics_steps_once']['interrupted']}, {p['metrics_steps_once']['uninterrupted']}"],
-        ["every step's metrics equal the uninterrupted run's (timing aside)", str(p["metrics_equal"])],
+        ["every step's metrics equal the uninterrupted run's (timing and memory aside)", str(p["metrics_equal"])],
     ]
     rl = p["rl"]
     return markdown_table(["soak", "result"], rows) + (
