@@ -3,7 +3,7 @@
 glibc keeps what tensors free inside its heap (after the first large free its mmap threshold rises to 32 MiB, so
 a small model's activations and gradients all live there), and returns it to the OS only from the heap's top. A
 step frees most of what it allocated, but where the holes fall changes from step to step: without a trim the
-resident memory of the soak's tiny-llama run swung between about 540 and 790 MiB with some 330 MiB of the heap
+resident memory of the soak's tiny-llama run swung between about 540 and 750 MiB with some 330 MiB of the heap
 in use, and two readings mostly showed where in that swing they fell. `release_free_memory()` after each step
 (malloc_trim(0), which also gives back free pages inside the heap) makes resident memory what the process uses.
 It costs about 30 ms per tiny-llama step (3% of a 1.1 s step; `time/release_memory_s`), a fixed cost that a
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 
 def _malloc_trim():
