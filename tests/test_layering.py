@@ -11,7 +11,8 @@ import codraft
 
 # lowest first; a module may import its own layer and the ones below it
 LAYERS = [
-    ("config", "jsonl", "observability", "interrupt"),  # shared leaves: typed config, files, logging, signals
+    # shared leaves: typed config, files, logging, signals, host memory
+    ("config", "jsonl", "observability", "interrupt", "host_memory"),
     ("models",),
     ("attention",),
     ("rollout",),

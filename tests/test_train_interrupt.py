@@ -64,6 +64,6 @@ def test_a_relaunched_pp2_run_speaks_with_one_voice_and_stops_cleanly_on_ctrl_c(
         assert err.count(f"codraft.commands.train: step {step}/200 ") == 1, err
     assert err.count("summary (first -> last 5 steps mean)") == 1
     assert "[rank 1]" not in err.replace("[rank 1] codraft.interrupt: SIGINT", "")  # rank 1: its own warning only
-    # torchrun itself prints the traceback of the SignalException it raises after handing the signal on (left
-    # alone); no codraft process does
-    assert err.count("Traceback") == err.count("torch.distributed.elastic.multiprocessing.api.SignalException: ")
+    # neither a rank nor torchrun (whose SignalException, raised after it handed the signal on, parallel/torchrun.py
+    # catches) prints a traceback
+    assert "Traceback" not in err and "SignalException" not in err, err

@@ -4,9 +4,10 @@ Both runs are `codraft train` subprocesses from the same resolved config (specul
 that timing changes no decision, checkpoint.every from the config):
   interrupted    SIGKILLed two steps after the first checkpoint at or past the midpoint, then `--resume`d to the end
   uninterrupted  the same steps in one process
-Reported: the resident memory (RSS, /proc) of the training process after step `checkpoint.every` and after the
-last step (the uninterrupted run is one process throughout: its growth is the figure), that metrics.jsonl holds
-every step exactly once, and that every step's metrics (timing aside) equal the uninterrupted run's.
+Reported: the resident memory of the training process after step `checkpoint.every` and after the last step
+(`memory/rss_mib`, which `codraft train` measures after each step once freed memory is handed back; the
+uninterrupted run is one process throughout: its growth is the figure), that metrics.jsonl holds every step
+exactly once, and that every step's metrics (timing and memory aside) equal the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from codraft.config import Config, ConfigError, save_config
 
 log = logging.getLogger(__name__)
 
-TIMING = ("time/", "rollout/")  # metrics that measure the machine, not the run
+MACHINE = ("time/", "rollout/", "memory/")  # metrics that measure the machine, not the run
+RSS = "memory/rss_mib"
 
 
 def kill_step(steps: int, every: int) -> int:
@@ -34,31 +36,20 @@ def kill_step(steps: int, every: int) -> int:
     return first + 2
 
 
-def rss_mb(pid: int) -> float | None:
-    """Resident memory of process `pid` in MiB (Linux), None once it has exited."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except FileNotFoundError:
-        pass
-    return None
-
-
-def train(argv: list[str], log_path: Path, kill_at: int | None = None) -> tuple[int, dict[int, float | None]]:
+def train(argv: list[str], log_path: Path, kill_at: int | None = None) -> tuple[int, list[int]]:
     """Run `codraft train <argv>`, its stderr to log_path; SIGKILL it once it logs step `kill_at`. Returns the exit
-    code and the process's RSS read as each step's line appeared ({step: MiB})."""
-    rss: dict[int, float | None] = {}
+    code and the steps it logged."""
+    logged: list[int] = []
     with log_path.open("a") as out, subprocess.Popen([sys.executable, "-m", "codraft", "train", *argv],
                                                      stderr=subprocess.PIPE, text=True) as proc:
         for line in proc.stderr:
             out.write(line)
             if "codraft.commands.train: step " in line:
                 step = int(line.split("codraft.commands.train: step ")[1].split("/")[0])
-                rss[step] = rss_mb(proc.pid)
+                logged.append(step)
                 if step == kill_at:
                     proc.send_signal(signal.SIGKILL)
-        return proc.wait(), rss
+        return proc.wait(), logged
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:
@@ -66,7 +57,11 @@ def metrics_rows(run_dir: Path) -> list[dict]:
 
 
 def deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+    return {k: v for k, v in row.items() if not k.startswith(MACHINE)}
+
+
+def rss_per_step(rows: list[dict]) -> dict[int, float | None]:
+    return {r["step"]: r.get(RSS) for r in rows}
 
 
 def growth(rss: dict[int, float | None], first: int, last: int) -> float | None:
@@ -88,7 +83,7 @@ def run_soak_bench(cfg: Config, out_dir: str, runs_dir: str | Path) -> dict:
                           f"the midpoint, checkpoint.every={every}): bench.soak_steps={steps} must be larger")
     runs = Path(runs_dir)
     dirs = {name: runs / name for name in ("interrupted", "uninterrupted")}
-    rss, codes = {}, {}
+    logged, codes = {}, {}
     for name, run_dir in dirs.items():
         if run_dir.exists():
             log.info("soak: clearing %s from an earlier soak", run_dir)
@@ -102,32 +97,32 @@ def run_soak_bench(cfg: Config, out_dir: str, runs_dir: str | Path) -> dict:
         logfile = runs / f"{name}.log"
         logfile.unlink(missing_ok=True)
         if name == "interrupted":
-            codes["killed"], rss["killed"] = train(["--config", str(runs / f"{name}.yaml")], logfile, kill_at)
-            codes["resumed"], rss["resumed"] = train(["--resume", str(run_dir)], logfile)
+            codes["killed"], logged["killed"] = train(["--config", str(runs / f"{name}.yaml")], logfile, kill_at)
+            codes["resumed"], logged["resumed"] = train(["--resume", str(run_dir)], logfile)
         else:
-            codes[name], rss[name] = train(["--config", str(runs / f"{name}.yaml")], logfile)
+            codes[name], logged[name] = train(["--config", str(runs / f"{name}.yaml")], logfile)
     if codes != {"killed": -signal.SIGKILL, "resumed": 0, "uninterrupted": 0}:
         raise RuntimeError(f"soak: a training run failed (exit codes {codes}); see the logs in {runs}")
     rows = {name: metrics_rows(d) for name, d in dirs.items()}
     differing = [a["step"] for a, b in zip(rows["interrupted"], rows["uninterrupted"], strict=False)
                  if deterministic(a) != deterministic(b)]
-    resumed_from = min(rss["resumed"]) - 1
+    resumed_from = min(logged["resumed"]) - 1
+    rss = {name: rss_per_step(rs) for name, rs in rows.items()}  # interrupted: the killed process up to resumed_from
     payload = {
         "machine": machine(),
         "model": cfg.model.path, "draft": cfg.draft.family, "steps": steps, "checkpoint_every": every,
         "killed_after_step": kill_at, "resumed_from_step": resumed_from, "seed": cfg.run.seed,
         "rl": {"prompts_per_step": cfg.rl.prompts_per_step, "group_size": cfg.rl.group_size,
                "max_new_tokens": cfg.rl.max_new_tokens, "num_speculative_tokens": cfg.rl.num_speculative_tokens},
-        "rss_steps": [every, steps],  # RSS read as these steps' lines appeared; interrupted: killed, resumed process
-        "rss_mb": {"uninterrupted": [rss["uninterrupted"].get(every), rss["uninterrupted"].get(steps)],
-                   "interrupted": [rss["killed"].get(every), rss["resumed"].get(steps)]},
+        "rss_steps": [every, steps],  # RSS after these steps; interrupted: the killed, then the resumed process
+        "rss_mb": {name: [rss[name].get(every), rss[name].get(steps)] for name in dirs},
         "rss_growth": growth(rss["uninterrupted"], every, steps),
         "rss_growth_goal": 0.05,
         "metrics_steps_once": {name: [r["step"] for r in rs] == list(range(1, steps + 1)) for name, rs in rows.items()},
         "metrics_equal": not differing and len(rows["interrupted"]) == len(rows["uninterrupted"]),
         "steps_differing": differing,
         "final_metrics": {name: deterministic(rs[-1]) for name, rs in rows.items()},
-        "rss_mb_per_step": {name: rss[name] for name in ("killed", "resumed", "uninterrupted")},
+        "rss_mb_per_step": rss,
     }
     write_results(out_dir, "soak", payload, _table(payload))
     return payload
@@ -146,7 +141,7 @@ def _table(p: dict) -> str:
         [f"RSS after step {first} (killed process) / {last} (resumed process) (MiB)", f"{mb(i0)} / {mb(i1)}"],
         ["metrics.jsonl holds every step exactly once (interrupted, uninterrupted)",
          f"{p['metrics_steps_once']['interrupted']}, {p['metrics_steps_once']['uninterrupted']}"],
-        ["every step's metrics equal the uninterrupted run's (timing aside)", str(p["metrics_equal"])],
+        ["every step's metrics equal the uninterrupted run's (timing and memory aside)", str(p["metrics_equal"])],
     ]
     rl = p["rl"]
     return markdown_table(["soak", "result"], rows) + (

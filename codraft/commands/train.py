@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from contextlib import nullcontext
 
 from codraft.config import Config
+from codraft.host_memory import release_free_memory, rss_mib
 from codraft.interrupt import StopOnSignal
 from codraft.models import policy_args
 from codraft.observability import MetricsLogger, progress
@@ -19,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/tokens_per_s", "loss/draft",
            "time/step_s")
+SUMMARY_STEPS = 5  # the summary compares the means of the first and the last this many steps
 
 
 def main(cfg: Config) -> int:
@@ -38,16 +42,22 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     trainer = Trainer(cfg, None, dims)  # loads and checks every input
     run_dir = trainer.run_dir = prepare_run_dir(cfg, dims)  # only now: a refused run leaves nothing on disk
     writer = dims.is_writer  # global rank 0 alone writes metrics and checkpoints
-    history: list[dict] = []
+    # the summary's first and last 5 steps: a run of any length keeps 10 rows, not one per step
+    head: list[dict] = []
+    tail: deque[dict] = deque(maxlen=SUMMARY_STEPS)
     resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
     with StopOnSignal() as stop, logger as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
+            t_release = time.perf_counter()
+            release_free_memory()  # the step's freed tensors back to the OS: resident memory is what is in use
+            step_metrics["time/release_memory_s"] = time.perf_counter() - t_release  # outside time/step_s
+            step_metrics["memory/rss_mib"] = rss_mib() or float("nan")  # this rank's (the writer's, in the file)
             if writer:
                 metrics.log(trainer.step, step_metrics)
-            history.append(step_metrics)
+            (head if len(head) < SUMMARY_STEPS else tail).append(step_metrics)
             live = {"reward": step_metrics["reward/mean"], "tau": step_metrics["spec/acceptance_length"],
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
@@ -58,16 +68,17 @@ def train(cfg: Config, dims: ParallelDims) -> int:
             if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
                 trainer.save()  # collective under PP: every rank hands over its stage's optimizer state
         trainer.save()  # the last completed step, interrupted or not
-    log.info("summary (first -> last 5 steps mean):\n%s", summary_table(history))
+    log.info("summary (first -> last 5 steps mean):\n%s", summary_table(head, list(tail)))
     if stop.signum is not None:
         log.info("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
     return stop.exit_code
 
 
-def summary_table(history: list[dict]) -> str:
-    if not history:
+def summary_table(head: list[dict], tail: list[dict]) -> str:
+    """The SUMMARY metrics' means over the first steps (`head`) and the last (`tail`, or `head` if no more ran)."""
+    if not head:
         return "(no steps run)"
-    head, tail = history[:5], history[-5:]
+    tail = (head + tail)[-SUMMARY_STEPS:]
 
     def mean(rows: list[dict], key: str) -> float:
         vals = [r[key] for r in rows if key in r and r[key] == r[key]]

@@ -28,11 +28,13 @@ def _free_port() -> int:
 
 
 def relaunch(cfg, command: str, nproc: int) -> int:
-    """Run `codraft <command>` on `nproc` local processes with torchrun; returns its exit code. The run
-    directory and its config.yaml are made here, so every process reads the same resolved config."""
+    """Run `codraft <command>` on `nproc` local processes with torchrun (torchrun.py: its failures in one line);
+    returns its exit code. The run directory and its config.yaml are made here, so every process reads the same
+    resolved config."""
     run_dir = prepare_run_dir(cfg, command)
+    debug = ["--debug"] if cfg.run.log_level == "debug" else []
     argv = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+        sys.executable, "-m", "codraft.parallel.torchrun", *debug, "--nnodes", "1", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
         "-m", "codraft", command, "--config", str(run_dir / "config.yaml"),
     ]  # fmt: skip

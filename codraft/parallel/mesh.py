@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from codraft.config import ConfigError
-from codraft.parallel.rollcall import RankTimeout, RollCall
+from codraft.parallel.rollcall import RankTimeout, RollCall, is_peer_fault
 
 log = logging.getLogger(__name__)
 
@@ -113,15 +113,22 @@ class ParallelDims:
             return self
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"{self} does not match the launched world size {dist.get_world_size()}")
-        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        timeout_s = dist.default_pg_timeout.total_seconds() if timeout_s is None else timeout_s
         me = dist.get_rank()
         self._groups = {}
-        for dim in DIMS:
-            for ranks in self.all_groups(dim):  # new_group is collective: all ranks create all groups, same order
-                group = dist.new_group(list(ranks), timeout=timeout)
-                if me in ranks:
-                    self._groups[dim] = group
-        self.roll_call = RollCall(dist.default_pg_timeout.total_seconds() if timeout_s is None else timeout_s)
+        try:
+            for dim in DIMS:
+                for ranks in self.all_groups(dim):  # new_group is collective: all ranks create all groups, same order
+                    group = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
+                    if me in ranks:
+                        self._groups[dim] = group
+            self.roll_call = RollCall(timeout_s)
+        except RuntimeError as e:  # DistStoreError "wait timeout after 3000ms, keys: ...", or gloo's connect
+            if not (isinstance(e, dist.DistStoreError) or is_peer_fault(e)):
+                raise
+            raise RankTimeout(f"rank {me}: the mesh's process groups did not form within parallel.timeout_s="
+                              f"{timeout_s:g} s (a rank did not reach ParallelDims.build): "
+                              f"{' '.join(str(e).split())}") from e
         log.info("%s: rank %d is %s", self, me, self.coords(me))
         return self
 

@@ -62,6 +62,9 @@ class RollCall:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # the roll call's sends, never awaited (a frozen peer never receives) but kept: gloo drops a send whose
+        # work object is freed, and a rank that calls the roll later than the others would hear nobody
+        self._sent: list[dist.Work] = []
 
     def silent_ranks(self) -> list[int]:
         """The ranks that do not answer within ROLL_CALL_S (or timeout_s / 2, if shorter)."""
@@ -70,7 +73,7 @@ class RollCall:
         replies = {}
         for p in peers:
             try:
-                dist.isend(torch.ones(1), dst=p, group=self.group, tag=_TAG)  # never awaited: p may be frozen
+                self._sent.append(dist.isend(torch.ones(1), dst=p, group=self.group, tag=_TAG))
                 replies[p] = dist.irecv(torch.zeros(1), src=p, group=self.group, tag=_TAG)
             except RuntimeError:  # p is gone
                 pass

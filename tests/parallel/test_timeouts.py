@@ -12,6 +12,8 @@ import time
 import pytest
 
 from codraft.cli import main
+from codraft.parallel.mesh import ParallelDims
+from codraft.parallel.rollcall import RankTimeout
 from codraft.parallel.tapchannel import TapChannel
 from codraft.train.trainer import Trainer
 from tests.distributed import free_port, run_workers
@@ -85,3 +87,46 @@ def test_a_rank_whose_peers_never_join_fails_within_the_timeout_with_one_line(tm
     assert line.endswith("seconds waiting for clients. 1/2 clients joined."), line
     assert "Traceback" not in done.stderr
     assert time.monotonic() - start < 40
+
+
+def freezing_reward(completion: str, problem) -> float:
+    """A reward that freezes torchrun's rank 1 (SIGSTOP) the first time it runs: rank 0 then waits for it."""
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return len(completion) / 10
+
+
+def test_a_relaunched_run_whose_rank_freezes_ends_with_one_line_and_exit_code_1(tmp_path):
+    """`codraft train parallel.pp=2` relaunches itself under torchrun: rank 0's one line is all the user sees, not
+    torchrun's ChildFailedError traceback and table, nor its warnings about stopping the frozen rank."""
+    cmd = [sys.executable, "-m", "codraft", "train", *TINY, "draft.family=none", "parallel.pp=2",
+           f"parallel.timeout_s={TIMEOUT_S}", "rl.steps=3", f"task.reward={__name__}:freezing_reward",
+           f"run.dir={tmp_path}"]
+    env = os.environ | {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"}  # torchrun's wait before it SIGKILLs the frozen rank
+    start = time.monotonic()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr
+    assert "torch/distributed/elastic" not in done.stderr, done.stderr  # torchrun's own warnings
+    [line] = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert line.startswith("codraft: error: rank 0 waited parallel.timeout_s=3 s in torch.distributed "), line
+    assert line.endswith("rank 1 did not answer a roll call (frozen, stalled or dead)"), line
+    assert time.monotonic() - start < 100
+
+
+def _build_the_mesh_without_rank_1(rank: int, world_size: int) -> tuple[str, float]:
+    if rank == 1:  # stalls before ParallelDims.build (killed by the helper once rank 0 is done)
+        time.sleep(60)
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as e:
+        ParallelDims(1, 2, 1, 2).build(timeout_s=TIMEOUT_S)
+    return str(e.value), time.monotonic() - start
+
+
+def test_a_mesh_whose_rank_never_builds_it_fails_within_the_timeout_with_one_line():
+    [(message, seconds)] = run_workers(_build_the_mesh_without_rank_1, 2, timeout=60, pg_timeout=TIMEOUT_S,
+                                       awaited=[0])
+    assert message.startswith(f"rank 0: the mesh's process groups did not form within parallel.timeout_s={TIMEOUT_S} "
+                              "s (a rank did not reach ParallelDims.build): "), message
+    assert "\n" not in message
+    assert seconds < 4 * TIMEOUT_S, seconds

@@ -29,6 +29,8 @@ DESIGN_METRICS = [
     "time/train_s",
     "time/refit_s",
     "time/step_s",
+    "time/release_memory_s",
+    "memory/rss_mib",
 ]
 TINY = [
     "model.path=tiny-llama",
@@ -124,7 +126,7 @@ def run_metrics(run_dir) -> list[dict]:
 
 
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not k.startswith(("time/", "rollout/"))}
+    return {k: v for k, v in m.items() if not k.startswith(("time/", "rollout/", "memory/"))}
 
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
@@ -156,6 +158,7 @@ def test_a_short_run_of_each_family_writes_every_metric(tmp_path, family):
     rows = run_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["grad_norm/policy"] > 0  # the policy did get a learning signal
+    assert rows[-1]["memory/rss_mib"] > 0 and rows[-1]["time/release_memory_s"] >= 0
     wanted = (
         DESIGN_METRICS
         if family != "none"
