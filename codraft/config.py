@@ -181,7 +181,8 @@ class TaskConfig:
     operators: str = "+"  # kind=chain: + and - only
     chain_min_terms: int = 4  # kind=chain: terms per problem, log-uniform in [chain_min_terms, chain_max_terms]
     chain_max_terms: int = 24  # kind=chain: the long tail (answers reach ~250 tokens: raise rl.max_new_tokens)
-    reward: str = "correctness"  # a built-in name or "package.module:function"; kind=chain: final_answer
+    reward: str = "correctness"  # a built-in name or "package.module:function"; kind=chain: chain_steps (partial
+                                 # credit per right step) or final_answer (0/1)
     chat_template: bool = True
 
     def validate(self) -> None:
@@ -191,6 +192,9 @@ class TaskConfig:
         require(self.num_terms >= 2, "task.num_terms", ">= 2", self.num_terms)
         require(bool(self.operators) and set(self.operators) <= set("+-*"), "task.operators", "made of + - *",
                 self.operators)
+        require(self.reward != "chain_steps" or self.kind == "chain", "task.reward",
+                f"a reward for task.kind={self.kind} (chain_steps needs task.kind=chain, whose problems carry "
+                "their steps)", self.reward)
         if self.kind == "chain":
             require(set(self.operators) <= set("+-"), "task.operators", "made of + - for task.kind=chain",
                     self.operators)

@@ -16,26 +16,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from codraft.rl.chain_reward import chain_steps_reward
+from codraft.rl.parsing import NUMBER, final_number, last_number, normalise, same_number
 from codraft.rl.tasks import Problem
 
 log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Problem], float]
 
-# A number: optional sign (not after a digit, so "12-7" reads as 12 and 7), thousands groups or plain digits,
-# optional decimals.
-_NUMBER = re.compile(r"(?:(?<!\d)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
-_ONLY_NUMBER = re.compile(rf"\s*(?:{_NUMBER.pattern})\.?\s*")
-
-
-def _normalise(text: str) -> str:
-    return text.replace("\u2212", "-")  # unicode minus sign
-
-
-def last_number(text: str) -> float | None:
-    """The last number written in `text` ("The answer is -1,234." -> -1234.0), or None."""
-    matches = _NUMBER.findall(_normalise(text))
-    return float(matches[-1].replace(",", "")) if matches else None
+_ONLY_NUMBER = re.compile(rf"\s*(?:{NUMBER.pattern})\.?\s*")
 
 
 def correctness_reward(completion: str, problem: Problem) -> float:
@@ -47,37 +36,17 @@ def correctness_reward(completion: str, problem: Problem) -> float:
     expected = last_number(problem.answer)
     if expected is None:
         return float(completion.strip().rstrip(".").casefold() == problem.answer.strip().rstrip(".").casefold())
-    got = last_number(completion)
-    return float(got is not None and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9))
-
-
-# "answer" then optionally "is", ":" or "=", then markup (bold, $, brackets) up to the number it announces
-_ANSWER = re.compile(rf"answer\s*(?:is\b)?\s*[:=]?[\s*$`(\[]*({_NUMBER.pattern})", re.IGNORECASE)
-
-
-def final_number(text: str) -> float | None:
-    """The number a worked answer ends on: the one right after its last "answer" marker ("Answer: 57",
-    "The final answer is **57**."), else its last number ("... = 57"); None if it holds no number.
-
-    Text after an announced answer ("Answer: 57. I checked each of the 5 steps.") does not count.
-    """
-    text = _normalise(text)
-    announced = _ANSWER.findall(text)
-    if announced:
-        return float(announced[-1].replace(",", ""))
-    return last_number(text)
+    return float(same_number(last_number(completion), expected))
 
 
 def final_answer_reward(completion: str, problem: Problem) -> float:
     """1.0 if the completion's `final_number` equals the answer numerically, else 0.0 (the chain task's reward)."""
-    expected, got = last_number(problem.answer), final_number(completion)
-    return float(expected is not None and got is not None and math.isclose(got, expected, rel_tol=1e-9,
-                                                                            abs_tol=1e-9))
+    return float(same_number(final_number(completion), last_number(problem.answer)))
 
 
 def format_reward(completion: str, problem: Problem, bonus: float = 0.1) -> float:
     """`bonus` if the completion is a bare number (an optional trailing period allowed), else 0.0."""
-    return bonus if _ONLY_NUMBER.fullmatch(_normalise(completion)) else 0.0
+    return bonus if _ONLY_NUMBER.fullmatch(normalise(completion)) else 0.0
 
 
 def combine(*fns: RewardFn, weights: list[float] | None = None) -> RewardFn:
@@ -99,6 +68,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correctness": correctness_reward,
     "correctness+format": combine(correctness_reward, format_reward),
     "final_answer": final_answer_reward,
+    "chain_steps": chain_steps_reward,
 }
 
 

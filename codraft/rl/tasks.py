@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from codraft.config import Config, ConfigError
 from codraft.jsonl import read_jsonl
@@ -26,11 +26,24 @@ DEFAULT_TEMPLATE = "What is {expression}? Answer with the number only."
 _OPERATORS = "+-*"
 
 
+class ChainStep(NamedTuple):
+    """One written partial result of a chain, `left op right = result` (e.g. 13 + 5 = 18)."""
+
+    left: int
+    op: str  # "+" or "-"
+    right: int
+    result: int
+
+    def __str__(self) -> str:
+        return f"{self.left} {self.op} {self.right} = {self.result}"
+
+
 @dataclass(frozen=True)
 class Problem:
     prompt: str  # the user message
     answer: str  # reference answer as text, e.g. "19"
     source: str | None = field(default=None, compare=False)  # where it was read, e.g. "data.jsonl:3"
+    steps: tuple[ChainStep, ...] = ()  # the worked steps the answer should show (chain task), in order
 
 
 class PromptTokenizer(Protocol):
@@ -205,7 +218,12 @@ class ChainTask(IndexedTask):
     short and a tail is long: with the defaults (4..24 terms of 0..20) an answer written as asked takes about
     35 / 100 / 230 tokens (10th / 50th / 90th percentile, SmolLM2's tokenizer; give rollouts
     `rl.max_new_tokens=256` or more). `operators` may hold `+` and `-` only: a partial result is the running total.
-    The reference answer is the final total; `rewards.final_answer_reward` scores the number the answer ends on.
+    The reference answer is the final total, and `Problem.steps` holds the partial results in order, one
+    `ChainStep` per operator (the first is the prompt's example). Two rewards read them (rl/chain_reward.py,
+    rl/rewards.py): `chain_steps` gives partial credit, half for the share of steps written right and in order
+    ("13 + 5 = 18"), half for the right number after "Answer:", so a reward above 0.5 means the final answer is
+    right;
+    `final_answer` scores the number the answer ends on only (0 or 1).
     """
 
     def __init__(self, min_operand: int = 0, max_operand: int = 20, min_terms: int = 4, max_terms: int = 24,
@@ -234,9 +252,12 @@ class ChainTask(IndexedTask):
         terms = [rng.randint(self.min_operand, self.max_operand) for _ in range(self.num_terms(rng))]
         ops = [rng.choice(self.operators) for _ in terms[1:]]
         expression = str(terms[0]) + "".join(f" {op} {t}" for op, t in zip(ops, terms[1:], strict=True))
-        first = f"{terms[0]} {ops[0]} {terms[1]} = {_evaluate(terms[:2], ops[:1])}"
-        prompt = self.template.format(expression=expression, first_step=first)
-        return Problem(prompt, str(_evaluate(terms, ops)))
+        steps, total = [], terms[0]
+        for op, term in zip(ops, terms[1:], strict=True):
+            steps.append(ChainStep(total, op, term, total + term if op == "+" else total - term))
+            total = steps[-1].result
+        prompt = self.template.format(expression=expression, first_step=str(steps[0]))
+        return Problem(prompt, str(total), steps=tuple(steps))
 
 
 def build_task(cfg: Config) -> IndexedTask:

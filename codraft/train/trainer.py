@@ -187,6 +187,7 @@ class Trainer:
             "reward/mean": float(finite.mean()) if finite.numel() else float("nan"),
             "reward/accuracy": float((finite >= 1.0).float().mean()) if finite.numel() else float("nan"),
             "reward/dropped": float(dropped),
+            "reward/flat_groups": float(zero_variance_groups(reward_t, rl.group_size).float().mean()),  # no signal
             "response_length/mean": sum(map(len, rollout.tokens)) / len(rows),
             "response_length/max": float(max(map(len, rollout.tokens))),  # the tail the rollout waits for
             "spec/acceptance_length": stats.acceptance_length,

@@ -166,5 +166,5 @@ def test_bench_e2e_command_runs_the_bench_and_exits_as_a_signalled_run_when_stop
 
 def test_the_shipped_workload_config_loads_and_asks_for_at_least_40_steps_of_long_answers():
     cfg = load_config(Path(__file__).parents[2] / "configs" / "e2e_chain.yaml", [])
-    assert (cfg.model.path, cfg.task.kind, cfg.task.reward) == ("smollm2-135m", "chain", "final_answer")
+    assert (cfg.model.path, cfg.task.kind, cfg.task.reward) == ("smollm2-135m", "chain", "chain_steps")
     assert cfg.rl.steps >= 40 and cfg.rl.max_new_tokens >= 128 and cfg.draft_train.max_new_tokens >= 128

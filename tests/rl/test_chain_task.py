@@ -1,4 +1,5 @@
-"""The long-answer task: step-by-step chains whose reward reads the final number (rl/tasks.py, rl/rewards.py)."""
+"""The long-answer task: step-by-step chains, their steps, and the rewards that read them (rl/tasks.py,
+rl/chain_reward.py, rl/rewards.py)."""
 
 import json
 import re
@@ -9,6 +10,7 @@ import pytest
 
 from codraft.cli import main
 from codraft.config import load_config
+from codraft.rl.chain_reward import chain_steps_reward
 from codraft.rl.tasks import ChainTask, build_task
 
 CHAIN = re.compile(r'Compute (.+) step by step, from left to right\. Write each partial result on its own line, '
@@ -60,9 +62,24 @@ def test_task_kind_chain_builds_the_configured_chain():
     assert all(CHAIN.fullmatch(p.prompt).group(1).count(" - ") == 2 for p in task.sample(20))
 
 
-def test_a_chain_run_trains_and_scores_with_the_final_answer_reward(tmp_path):
-    assert main(["train", "model.path=tiny-llama", "task.kind=chain", "task.reward=final_answer", "rl.steps=1",
+@pytest.mark.parametrize("reward", ["chain_steps", "final_answer"])
+def test_a_chain_run_trains_and_scores_with_either_chain_reward(tmp_path, reward):
+    assert main(["train", "model.path=tiny-llama", "task.kind=chain", f"task.reward={reward}", "rl.steps=1",
                  "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=8", "draft.family=none",
                  "run.tensorboard=false", f"run.dir={tmp_path}"]) == 0
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["reward/mean"] == 0.0 and row["reward/dropped"] == 0  # a random policy never gets a chain right
+
+
+def test_chain_steps_follow_the_expression_and_an_answer_written_as_asked_scores_one():
+    for p in ChainTask(min_operand=0, max_operand=20, operators="+-", seed=6).sample(200):
+        expression, first_step = CHAIN.fullmatch(p.prompt).groups()
+        tokens = expression.split()
+        assert first_step == str(p.steps[0]) and len(p.steps) == len(tokens) // 2
+        ops_and_terms = zip(tokens[1::2], map(int, tokens[2::2]), strict=True)
+        assert [(s.op, s.right) for s in p.steps] == list(ops_and_terms)
+        assert [s.left for s in p.steps] == [int(tokens[0])] + [s.result for s in p.steps[:-1]]
+        assert all(s.result == eval(f"{s.left} {s.op} {s.right}") for s in p.steps)
+        assert str(p.steps[-1].result) == p.answer
+        written = "\n".join(map(str, p.steps)) + f"\nAnswer: {p.answer}"
+        assert chain_steps_reward(written, p) == 1.0
