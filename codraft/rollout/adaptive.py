@@ -16,9 +16,10 @@ acceptance starts from a weak prior (0.3, worth one observation), so a useless
 draft is found out in a step or two; while off, probes of one draft token come
 at growing intervals (8, 16, ... 64 steps) and at the start of every generate
 call, so a draft that got better is noticed at a bounded cost; while on, one
-step in 32 decodes plainly to keep the decode cost it compares against fresh. A proposal that first absorbs a backlog (the prompt,
-or the tokens committed while speculation was off) says nothing about the
-steady per-step draft cost, so its time is not learned from.
+step in 32 decodes plainly to keep the decode cost it compares against fresh.
+A proposal that first absorbs a backlog (the prompt, or the tokens committed
+while speculation was off) says nothing about the steady per-step draft cost,
+so its time is not learned from.
 """
 
 from __future__ import annotations

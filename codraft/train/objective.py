@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
 from codraft.parallel.collectives import sum_over_replicas
