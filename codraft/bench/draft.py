@@ -113,8 +113,8 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
     if steady <= 0:
         return float("nan")
     decode_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
-    per = sum(ks) * steady / len(ks) if per_token else steady  # fixed k: every proposal drafts the same k
-    return (stats.time_draft_s - stats.time_draft_backlog_s) / per / decode_s
+    per_proposal = (stats.time_draft_s - stats.time_draft_backlog_s) / steady
+    return per_proposal / (sum(ks) / len(ks) if per_token else 1) / decode_s  # fixed k: every proposal drafts k
 
 
 def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, batch: int, k: int,

@@ -164,9 +164,8 @@ class Trainer:
             raise self.reward_guard.failure()  # before an update that would train on nothing
         reward_t = rewards_tensor(rewards)
         advantages = group_advantages(reward_t, rl.group_size, scale_by_std=rl.scale_by_std)
-        keep = torch.ones(len(rows), dtype=torch.bool)
-        if rl.filter_zero_variance:
-            keep = ~zero_variance_groups(reward_t, rl.group_size)
+        flat = zero_variance_groups(reward_t, rl.group_size)  # groups without GRPO signal
+        keep = ~flat if rl.filter_zero_variance else torch.ones(len(rows), dtype=torch.bool)
 
         # 4-7. forward/backward of the joint objective -> clip -> optimizer steps
         t_train = time.perf_counter()
@@ -187,7 +186,7 @@ class Trainer:
             "reward/mean": float(finite.mean()) if finite.numel() else float("nan"),
             "reward/accuracy": float((finite >= 1.0).float().mean()) if finite.numel() else float("nan"),
             "reward/dropped": float(dropped),
-            "reward/flat_groups": float(zero_variance_groups(reward_t, rl.group_size).float().mean()),  # no signal
+            "reward/flat_groups": float(flat.float().mean()),
             "response_length/mean": sum(map(len, rollout.tokens)) / len(rows),
             "response_length/max": float(max(map(len, rollout.tokens))),  # the tail the rollout waits for
             "spec/acceptance_length": stats.acceptance_length,
