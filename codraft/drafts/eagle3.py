@@ -133,8 +133,10 @@ class Eagle3Draft(DraftModel):
         positions: torch.Tensor,
         steps: int,
         index: torch.Tensor | None = None,
+        head_rows: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H].
+        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H]; with `head_rows` [R]
+        only those rows' logits [R, N] (the head is most of a step's cost, and prompt rows feed no loss).
 
         `ids` [T_all] are the token ids of the whole packed batch and `index` [T] the place of each of
         the T computed tokens in it (default: they are the whole batch), since step s at token t reads
@@ -159,7 +161,7 @@ class Eagle3Draft(DraftModel):
                 branches = Branches(q[:, None], torch.stack(chain_k, 1), torch.stack(chain_v, 1), anchors, True)
                 out = self.attention(None, k0, v0, cu_seqlens, branches).branch_out[:, 0]
             hidden = self.midlayer.finish(out, hidden)  # [T, H], the next step's hidden input
-            logits.append(self.head(hidden))
+            logits.append(self.head(hidden if head_rows is None else hidden[head_rows]))
         return logits
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -169,8 +171,13 @@ class Eagle3Draft(DraftModel):
         tokens, kind = batch.shard, self.cfg.loss
         ids, T, index = tokens.input_ids, tokens.num_tokens, tokens.index  # whole batch; index [T_local]
         taps = {layer: t.detach() for layer, t in batch.taps.items()}  # the policy never gets draft gradient
+        seq_end = tokens.seq_end(index)  # [T_local] end of each token's sequence
+        target = index + 2  # global index of the token step 0 predicts
+        targets = [(target + s).clamp(max=T - 1) for s in range(self.cfg.ttt_steps)]
+        in_response = [(target + s < seq_end) & tokens.loss_mask[tgt] for s, tgt in enumerate(targets)]
+        scored = torch.stack(in_response).any(0).nonzero().flatten()  # [R] local rows some step's loss reads
         logits = self.ttt_forward(self.fuse(taps), ids, batch.cu_seqlens, batch.rope_positions(), self.cfg.ttt_steps,
-                                  index)
+                                  index, head_rows=scored)
 
         policy_logits = batch.policy_logits.detach()  # [T_local, V]
         policy_local = policy_logits.index_select(-1, self.draft_ids())  # [T_local, N], softmax renormalises it
@@ -178,17 +185,15 @@ class Eagle3Draft(DraftModel):
         # one look-ahead per step for both: [T_local, N + 1], the last column in_vocab as 0/1
         policy_and_vocab = torch.cat([policy_local, in_vocab_local[:, None].to(policy_local.dtype)], -1)
         to_draft = self.t2d.long().cumsum(0) - 1  # [V] target id -> draft id (where t2d)
-        seq_end = tokens.seq_end(index)  # [T_local] end of each token's sequence
-        target = index + 2  # global index of the token step 0 predicts
 
         total = logits[0].new_zeros((), dtype=torch.float32)
         stats: dict[str, torch.Tensor] = {}
         for s, step_logits in enumerate(logits):
-            tgt = (target + s).clamp(max=T - 1)
-            row = tgt - 1  # policy row `row` predicts token tgt
-            ahead = tokens.rows(policy_and_vocab, row)
-            policy = ahead[:, :-1]  # [T_local, N]
-            valid = (target + s < seq_end) & tokens.loss_mask[tgt] & (ahead[:, -1] > 0)
+            tgt = targets[s]
+            ahead = tokens.rows(policy_and_vocab, tgt - 1)[scored]  # policy row tgt - 1 predicts token tgt
+            tgt = tgt[scored]
+            policy = ahead[:, :-1]  # [R, N]
+            valid = in_response[s][scored] & (ahead[:, -1] > 0)
             if kind == "hard_ce":
                 valid &= self.t2d[ids[tgt]]
             weight = valid.float()
