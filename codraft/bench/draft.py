@@ -10,7 +10,7 @@ max_new_tokens (stop tokens off by default, so every run emits the same number o
 ends rows at EOS as RL rollouts do: greedy runs still emit the same tokens, sampled ones the same distribution,
 and speedups are ratios of tokens per second), medians of interleaved repeats after one warm-up run of each.
 With stop tokens on, sampled (T > 0) runs also end at different lengths, so beside them a length-matched plain
-run decodes, in each round right after the adaptive run, with stop tokens off and every row limited to the length
+run decodes, in each round after the adaptive run, with stop tokens off and every row limited to the length
 the adaptive run gave it in that round (plain decoding's cost depends on token counts and contexts, not on which
 tokens); its speedup is the median over rounds of that run's time / the adaptive run's time.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
