@@ -9,6 +9,10 @@ SPEED_GROUPS batches of held-out prompts one after the other, so batch 1 is not 
 max_new_tokens (stop tokens off by default, so every run emits the same number of tokens; `bench.stop_tokens=true`
 ends rows at EOS as RL rollouts do: greedy runs still emit the same tokens, sampled ones the same distribution,
 and speedups are ratios of tokens per second), medians of interleaved repeats after one warm-up run of each.
+With stop tokens on, sampled (T > 0) runs also end at different lengths, so beside them a length-matched plain
+run decodes, in each round after the adaptive run, with stop tokens off and every row limited to the length
+the adaptive run gave it in that round (plain decoding's cost depends on token counts and contexts, not on which
+tokens); its speedup is the median over rounds of that run's time / the adaptive run's time.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
 at fixed k, as a share of a plain decode step at the same batch; the first proposal of each call, which absorbs
 the prompt, is counted as prefill.
@@ -19,7 +23,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import TypeVar
 
 from codraft.bench.report import interleaved, machine, markdown_table, median, write_results
 from codraft.config import DRAFT_FAMILIES, Config, ConfigError
@@ -34,6 +40,8 @@ from codraft.rollout import Rollout, RolloutStats, SpeculationController, genera
 log = logging.getLogger(__name__)
 
 SPEED_GROUPS = 4  # batches of distinct held-out prompts per timed run
+
+G = TypeVar("G")
 
 
 def bench_draft(cfg: Config) -> dict:
@@ -77,7 +85,7 @@ def prompt_groups(prompts: list[list[int]], batch: int) -> list[list[list[int]]]
     return [[prompts[(g * batch + i) % len(prompts)] for i in range(batch)] for g in range(n)]
 
 
-def in_turn(groups: list[list[list[int]]], run: Callable[[list[list[int]]], Rollout]) -> Rollout:
+def in_turn(groups: Sequence[G], run: Callable[[G], Rollout]) -> Rollout:
     """`run` on each group one after the other, as one Rollout (rows in order, stats added)."""
     rollouts = [run(group) for group in groups]
     stats = RolloutStats()
@@ -87,9 +95,33 @@ def in_turn(groups: list[list[list[int]]], run: Callable[[list[list[int]]], Roll
                      ("prompts", "tokens", "logprobs", "finish_reasons")), stats)
 
 
+def length_matched(groups: list[list[list[int]]], spec: Callable[[], Rollout],
+                   plain_at: Callable[[list[list[int]], list[int]], Rollout]
+                   ) -> tuple[Callable[[], Rollout], Callable[[], Rollout]]:
+    """`spec`, keeping its latest output, and plain decoding (`plain_at(prompts, limits)`, stop tokens off) at that
+    output's row lengths. Called after `spec` in each round: the adaptive controller picks k from timings, and k
+    changes how the random draws fall, so a sampled run's lengths can differ from round to round."""
+    latest: list[Rollout] = []
+
+    def spec_run() -> Rollout:
+        latest[:] = [spec()]
+        return latest[0]
+
+    def matched_run() -> Rollout:
+        lengths = [len(t) for t in latest[0].tokens]  # rows in group order, as in_turn joins them
+        ends = list(accumulate(map(len, groups)))
+        out = in_turn([(group, lengths[end - len(group):end]) for group, end in zip(groups, ends, strict=True)],
+                      lambda pair: plain_at(*pair))
+        assert [len(t) for t in out.tokens] == lengths, "a length-matched row missed its spec run's length"
+        return out
+
+    return spec_run, matched_run
+
+
 def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[int]]], k: int,
                max_new_tokens: int, stop_tokens: bool) -> dict[str, Callable[[], Rollout]]:
-    """Plain (`ar_t*`), adaptive (`spec_t*`) and fixed-k (`fixed_t*`) decoding of the same prompts per temperature."""
+    """Plain (`ar_t*`), adaptive (`spec_t*`) and fixed-k (`fixed_t*`) decoding of the same prompts per temperature,
+    and with stop tokens on at T > 0 plain decoding at the adaptive run's row lengths (`ar_matched_t*`)."""
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=None if stop_tokens else [], seed=0)
     runs = {}
     for t in EVAL_TEMPERATURES:
@@ -99,6 +131,10 @@ def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[in
             policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=c, **common))
         runs[f"fixed_t{t:g}"] = lambda t=t: in_turn(groups, lambda p: generate(
             policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False, **common))
+        if stop_tokens and t > 0:
+            runs[f"spec_t{t:g}"], runs[f"ar_matched_t{t:g}"] = length_matched(
+                groups, runs[f"spec_t{t:g}"], lambda p, limits, t=t: generate(
+                    policy, p, temperature=t, **(common | dict(max_new_tokens=limits, stop_token_ids=[]))))
     return runs
 
 
@@ -121,7 +157,8 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
                     max_new_tokens: int, repeats: int, stop_tokens: bool = False) -> dict:
     groups = prompt_groups(prompts, batch)
     times, outputs = interleaved(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens), repeats)
-    # every repeat of a run emits the same tokens (seeded); with stop tokens on, sampled runs differ in length
+    # every repeat of a run emits the same tokens (seeded), except sampled adaptive runs, whose k (chosen from
+    # timings) moves the random draws; with stop tokens on, sampled runs differ in length (tokens/s: last round's)
     tps = {name: outputs[name].stats.tokens_generated / median(ts) for name, ts in times.items()}
     result = {"batch": batch, "prompt_groups": len(groups), "times_s": times, "tokens_per_s": tps,
               "greedy_tokens_identical": all(outputs[f"{v}_t0"].tokens == outputs["ar_t0"].tokens
@@ -134,6 +171,11 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")
+        if f"ar_matched_t{t:g}" in times:  # each round's plain time at that round's adaptive lengths
+            result[f"spec_speedup_length_matched_t{t:g}"] = median(
+                [a / s for a, s in zip(times[f"ar_matched_t{t:g}"], times[f"spec_t{t:g}"], strict=True)])
+            result[f"length_matched_tokens_t{t:g}"] = {
+                name: outputs[f"{name}_t{t:g}"].stats.tokens_generated for name in ("spec", "ar_matched")}
     log.info("batch %d: adaptive speedup %.2fx (t=0), %.2fx (t=1); fixed k %.2fx, %.2fx", batch,
              result["spec_speedup_t0"], result["spec_speedup_t1"], result["fixed_speedup_t0"],
              result["fixed_speedup_t1"])
@@ -164,15 +206,23 @@ def tables(payload: dict) -> str:
     text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out {task} prompts, " \
             f"{payload['max_new_tokens']} new tokens at most.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
+    nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match
     rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],
-             r[f"spec_speedup_t{t:g}"], r[f"spec_tau_t{t:g}"], str(r[f"spec_k_histogram_t{t:g}"]),
-             r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"], r[f"draft_cost_share_t{t:g}"],
+             r[f"spec_speedup_t{t:g}"], r["tokens_per_s"].get(f"ar_matched_t{t:g}", nan),
+             r.get(f"spec_speedup_length_matched_t{t:g}", nan), r[f"spec_tau_t{t:g}"],
+             str(r[f"spec_k_histogram_t{t:g}"]), r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"],
+             r[f"draft_cost_share_t{t:g}"],
              r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
-    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "adaptive tau",
+    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup",
+                            "length-matched AR tok/s", "adaptive speedup, length-matched", "adaptive tau",
                             "adaptive k used", f"k={k} speedup", f"k={k} tau", f"draft cost / decode step (per {unit})",
                             "greedy tokens identical"], rows)
     stops = "stop tokens on: rows end at EOS" if payload.get("stop_tokens") else "stop tokens off"
     text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row at most " \
             f"({stops}), speedup = tokens/s ratio, medians of {payload['repeats']} interleaved repeats; each timed " \
             f"run decodes up to {SPEED_GROUPS} batches of distinct held-out prompts one after the other.\n"
+    if payload.get("stop_tokens"):
+        text += "Length-matched (T > 0): plain decoding with stop tokens off and each row limited to the length the " \
+                "adaptive run gave it in the same round; its speedup is the median over rounds of that run's time / " \
+                "the adaptive run's time, both decoding the same number of tokens per row.\n"
     return text

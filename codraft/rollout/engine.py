@@ -36,10 +36,25 @@ class Rollout:
     stats: RolloutStats
 
 
-def _check_prompts(prompts: list[list[int]], vocab_size: int, max_context: int, extra: int) -> None:
+def _row_limits(max_new_tokens: int | list[int], rows: int) -> list[int]:
+    """One new-token limit per row: an int for all of them, or a list with one per prompt."""
+    if isinstance(max_new_tokens, int):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return [max_new_tokens] * rows
+    limits = list(max_new_tokens)
+    if len(limits) != rows:
+        raise ValueError(f"max_new_tokens has {len(limits)} limits for {rows} prompts; pass an int or one per prompt")
+    for i, n in enumerate(limits):
+        if n < 1:
+            raise ValueError(f"max_new_tokens[{i}] must be >= 1, got {n}")
+    return limits
+
+
+def _check_prompts(prompts: list[list[int]], vocab_size: int, max_context: int, extras: list[int]) -> None:
     if not prompts:
         raise ValueError("prompts is empty; pass at least one list of token ids")
-    for i, p in enumerate(prompts):
+    for i, (p, extra) in enumerate(zip(prompts, extras, strict=True)):
         if len(p) == 0:
             raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
         if min(p) < 0 or max(p) >= vocab_size:
@@ -90,7 +105,7 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | list[int] = 128,
     stop_token_ids: list[int] | None = None,
     seed: int | None = None,
     adaptive: bool | SpeculationController = False,
@@ -103,16 +118,16 @@ def generate(
     (True or a controller kept across calls) picks k per step and may turn
     speculation off when it does not pay. `packed_weights` runs the target's and
     the draft's linears on oneDNN-packed copies (models/linear.py); False is the
-    plain F.linear reference path.
+    plain F.linear reference path. `max_new_tokens` is one limit for every row or a list with one per prompt
+    (`codraft bench draft` decodes plainly at the lengths a speculative run produced).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if num_speculative_tokens < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    row_limits = _row_limits(max_new_tokens, len(prompts))
     args = model.args
     k_max = num_speculative_tokens if drafter is not None else 0
-    _check_prompts(prompts, args.vocab_size, args.max_position_embeddings, max_new_tokens + k_max + 1)
+    _check_prompts(prompts, args.vocab_size, args.max_position_embeddings, [n + k_max + 1 for n in row_limits])
     stop_ids = torch.tensor(args.eos_token_id if stop_token_ids is None else list(stop_token_ids), dtype=torch.long)
     controller = adaptive if isinstance(adaptive, SpeculationController) else None
     if adaptive is True and k_max:
@@ -136,7 +151,8 @@ def generate(
     ids = torch.zeros(B, int(prompt_lens.max()), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    cache = model.new_cache(B, ids.shape[1] + max_new_tokens + k_max + 1)
+    most = max(row_limits)
+    cache = model.new_cache(B, ids.shape[1] + most + k_max + 1)
     out = model(ids, cache=cache, taps=taps, compute_logits=False)
     cache.lengths.copy_(prompt_lens)
     pending, first_logprob = draw(model.logits(out.hidden[torch.arange(B), prompt_lens - 1]), params, generator)
@@ -144,17 +160,18 @@ def generate(
         drafter.start(prompts, out.taps, params, cache.max_len, generator)
     stats.time_prefill_s = time.perf_counter() - start
 
-    width = max_new_tokens + k_max + 1
+    width = most + k_max + 1
     tokens = torch.zeros(B, width, dtype=torch.long, device=device)
     logprobs = torch.zeros(B, width, device=device)
     tokens[:, 0] = pending
     logprobs[:, 0] = first_logprob
     n_out = torch.ones(B, dtype=torch.long, device=device)
+    limit = torch.tensor(row_limits, device=device)  # each live row's own new-token limit
     rows = torch.arange(B, device=device)  # original index of each live row
     results: list[tuple[list[int], list[float], str] | None] = [None] * B
 
     def retire(done: torch.Tensor, reason: torch.Tensor) -> None:
-        nonlocal tokens, logprobs, n_out, pending, rows
+        nonlocal tokens, logprobs, n_out, limit, pending, rows
         for i in done.nonzero().flatten().tolist():
             n = int(n_out[i])
             results[int(rows[i])] = (
@@ -163,13 +180,14 @@ def generate(
                 "stop" if reason[i] else "length",
             )
         keep = (~done).nonzero().flatten()
-        tokens, logprobs, n_out, pending, rows = tokens[keep], logprobs[keep], n_out[keep], pending[keep], rows[keep]
+        tokens, logprobs, n_out, limit = tokens[keep], logprobs[keep], n_out[keep], limit[keep]
+        pending, rows = pending[keep], rows[keep]
         cache.keep_rows(keep)
         if drafter is not None:
             drafter.keep_rows(keep)
 
     hit_stop = torch.isin(pending, stop_ids)
-    done = hit_stop | (n_out >= max_new_tokens)
+    done = hit_stop | (n_out >= limit)
     if bool(done.any()):
         retire(done, hit_stop)
 
@@ -194,7 +212,7 @@ def generate(
             stats.backlog_proposals += 1
 
         if proposal is not None:
-            budget = max_new_tokens - n_out - 1  # the step also emits one target token
+            budget = limit - n_out - 1  # the step also emits one target token
             num_drafts = proposal.lengths.clamp(max=budget).clamp(min=0)
             drafts = proposal.tokens[:, :k]
             feed = torch.cat([pending[:, None], drafts], dim=1)
@@ -247,7 +265,7 @@ def generate(
             t_verify - t_draft if caught_up else None,
         )
         caught_up = k > 0
-        done = hit | (n_out >= max_new_tokens)
+        done = hit | (n_out >= limit)
         if bool(done.any()):
             retire(done, hit)
 

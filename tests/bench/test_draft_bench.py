@@ -4,7 +4,13 @@ import json
 
 import pytest
 
+from codraft.bench.draft import prompt_groups, run_draft_bench, speed_runs
+from codraft.bench.report import interleaved, median
 from codraft.cli import main
+from codraft.config import DraftConfig
+from codraft.drafts import build_draft
+from tests.rollout.conftest import tiny_model
+from tests.rollout.test_engine import PROMPTS
 
 TINY = ["model.path=tiny-llama", "run.tensorboard=false", "draft_train.num_prompts=8", "draft_train.steps=2",
         "draft_train.batch_size=4", "draft_train.max_new_tokens=8", "draft.draft_vocab_size=64",
@@ -44,5 +50,50 @@ def test_bench_draft_on_the_chain_task_with_stop_tokens(tmp_path):
     assert result["stop_tokens"] and result["training"]["task"] == "chain"
     (speed,) = result["speedup"]
     assert speed["greedy_tokens_identical"] and speed["spec_speedup_t0"] > 0
+    tokens = speed["length_matched_tokens_t1"]
+    assert tokens["spec"] == tokens["ar_matched"] > 0 and speed["spec_speedup_length_matched_t1"] > 0
     text = (tmp_path / "draft_eagle3.md").read_text()
-    assert "held-out chain prompts" in text and "stop tokens on" in text
+    assert "held-out chain prompts" in text and "stop tokens on" in text and "Length-matched (T > 0)" in text
+
+
+def tiny_policy_and_draft():
+    """A tiny policy that stops often (six EOS ids), so sampled rows end at many different lengths."""
+    model = tiny_model(vocab_size=48, sharpen=3.0, tie_word_embeddings=False, eos_token_id=list(range(1, 7)))
+    return model, build_draft(DraftConfig(family="eagle3", draft_vocab_size=0), model).eval()
+
+
+def test_length_matched_plain_run_decodes_each_row_to_the_adaptive_runs_length():
+    model, draft = tiny_policy_and_draft()
+    runs = speed_runs(model, draft, prompt_groups(PROMPTS, 2), k=3, max_new_tokens=16, stop_tokens=True)
+    assert "ar_matched_t1" in runs and "ar_matched_t0" not in runs
+    times, outputs = interleaved(runs, repeats=2)
+    spec, matched = outputs["spec_t1"], outputs["ar_matched_t1"]
+    lengths = [len(t) for t in spec.tokens]
+    assert [len(t) for t in matched.tokens] == lengths and len(set(lengths)) > 1
+    assert "stop" in spec.finish_reasons and set(matched.finish_reasons) == {"length"}
+    assert len(times["ar_matched_t1"]) == len(times["spec_t1"]) == 2
+
+
+@pytest.mark.parametrize("stop_tokens", [True, False], ids=["stops-on", "stops-off"])
+def test_bench_draft_reports_the_length_matched_speedup_in_json_and_table(tmp_path, stop_tokens):
+    model, draft = tiny_policy_and_draft()
+    run_draft_bench(model, draft, PROMPTS, k=3, batch_sizes=[2], max_new_tokens=16, repeats=2, out_dir=str(tmp_path),
+                    training={}, stop_tokens=stop_tokens)
+    (speed,) = json.loads((tmp_path / "draft_eagle3.json").read_text())["speedup"]
+    text = (tmp_path / "draft_eagle3.md").read_text()
+    header, *rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 2 |")
+                     or line.startswith("| batch | T |")]
+    column = header.index("adaptive speedup, length-matched")
+    t0, t1 = rows
+    assert t0[column] == "n/a" and "spec_speedup_length_matched_t0" not in speed
+    if not stop_tokens:
+        assert t1[column] == "n/a" and "ar_matched_t1" not in speed["times_s"] and "Length-matched" not in text
+        return
+    ratio = median([a / s for a, s in zip(speed["times_s"]["ar_matched_t1"], speed["times_s"]["spec_t1"],
+                                          strict=True)])
+    assert speed["spec_speedup_length_matched_t1"] == pytest.approx(ratio) and ratio > 0
+    assert t1[column] == f"{ratio:.3g}" and "Length-matched (T > 0)" in text
+    tokens = speed["length_matched_tokens_t1"]
+    assert tokens["spec"] == tokens["ar_matched"] < 4 * 16  # some rows stopped early, and plain matched them
+    assert tokens["ar_matched"] == pytest.approx(
+        speed["tokens_per_s"]["ar_matched_t1"] * median(speed["times_s"]["ar_matched_t1"]))

@@ -85,6 +85,38 @@ def test_stop_token_ends_a_row_and_length_caps_it():
     assert free.finish_reasons == ["length"] and len(free.tokens[0]) == 10
 
 
+@pytest.mark.parametrize("drafter", [None, NgramDrafter(), SkewedDrafter(48)], ids=["plain", "ngram", "skewed"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_per_row_limits_give_those_lengths_with_stops_off(drafter, temperature):
+    model = model_for_greedy()
+    limits = [5, 1, 12, 3]
+    out = generate(model, PROMPTS, drafter=drafter, num_speculative_tokens=4, temperature=temperature,
+                   max_new_tokens=limits, stop_token_ids=[], seed=0)
+    assert [len(t) for t in out.tokens] == limits and [len(lp) for lp in out.logprobs] == limits
+    assert out.finish_reasons == ["length"] * len(PROMPTS) and out.stats.tokens_generated == sum(limits)
+
+
+@pytest.mark.parametrize("drafter", [None, NgramDrafter()], ids=["plain", "ngram"])
+def test_greedy_per_row_limits_cut_an_unlimited_run(drafter):
+    model = model_for_greedy()
+    kw = dict(drafter=drafter, num_speculative_tokens=4, temperature=0, stop_token_ids=[])
+    full = generate(model, PROMPTS, max_new_tokens=20, **kw)
+    limits = [7, 2, 20, 11]
+    cut = generate(model, PROMPTS, max_new_tokens=limits, **kw)
+    assert cut.tokens == [t[:n] for t, n in zip(full.tokens, limits, strict=True)]
+
+
+def test_per_row_limits_and_stop_tokens_end_a_row_at_whichever_comes_first():
+    model = model_for_greedy()
+    free = generate(model, PROMPTS[:2], temperature=0, max_new_tokens=10, stop_token_ids=[])
+    stop = free.tokens[0][3]
+    assert stop not in free.tokens[1][:2]
+    out = generate(model, PROMPTS[:2], drafter=NgramDrafter(), temperature=0, max_new_tokens=[10, 2],
+                   stop_token_ids=[stop])
+    assert out.tokens == [free.tokens[0][: free.tokens[0].index(stop) + 1], free.tokens[1][:2]]
+    assert out.finish_reasons == ["stop", "length"]
+
+
 def test_previous_rollout_drafter_replays_the_last_completion():
     model = model_for_greedy()
     first = generate(model, PROMPTS, temperature=0, max_new_tokens=20, stop_token_ids=[])
@@ -185,6 +217,9 @@ def test_malformed_proposals_fall_back_to_plain_decoding(fault, caplog):
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+        (dict(max_new_tokens=[4, 4]), "max_new_tokens has 2 limits for 1 prompts"),
+        (dict(prompts=[[3], [4]], max_new_tokens=[4, 0]), r"max_new_tokens\[1\] must be >= 1"),
+        (dict(prompts=[[3], [1] * 500], max_new_tokens=[100, 10]), r"prompts\[1\] has 500 tokens"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(kwargs, message):
