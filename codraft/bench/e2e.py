@@ -3,7 +3,8 @@
 Runs with the same seed, prompts and step budget (the config given, e.g. `configs/e2e_chain.yaml`):
   baseline                 no draft, plain decoding
   eagle3 / dflash / dspark co-trained drafts (bench.e2e_families), each warm-started from the draft cache
-                           (checkpoint.draft_init=auto, distill/warm_start.py), then trained online
+                           (checkpoint.draft_init=auto, distill/warm_start.py), or from the base config's
+                           checkpoint.draft_init where that is a draft dir of the family, then trained online
   frozen_<family>          the same warm start, never updated (rl.draft_weight=0): the control
                            (bench.e2e_frozen; best: the co-trained family with the highest last-10 tau)
 Every variant is the base config with a few overrides, built through the config loader and validated.
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from codraft.bench.report import machine, markdown_table, write_results
 from codraft.config import Config, ConfigError, config_to_dict, save_config, with_overrides
+from codraft.drafts.export import exported_family
 from codraft.interrupt import StopOnSignal
 from codraft.jsonl import read_jsonl
 from codraft.observability import MetricsLogger, progress
@@ -55,12 +57,19 @@ class Interrupted(Exception):
         self.variant, self.exit_code = variant, exit_code
 
 
-def co_trained_overrides(family: str) -> list[str]:
-    return [f"draft.family={family}", "checkpoint.draft_init=auto"]
+def warm_start(base: Config, family: str) -> str:
+    """The draft a `family` variant starts from: the base config's checkpoint.draft_init when it is a draft dir of
+    that family (a warm start distilled beforehand, e.g. with a larger budget), else auto (the draft cache)."""
+    init = base.checkpoint.draft_init
+    return init if init not in (None, "auto") and exported_family(init) == family else "auto"
 
 
-def frozen_overrides(family: str) -> list[str]:
-    return [*co_trained_overrides(family), "rl.draft_weight=0"]
+def co_trained_overrides(family: str, init: str = "auto") -> list[str]:
+    return [f"draft.family={family}", f"checkpoint.draft_init={init}"]
+
+
+def frozen_overrides(family: str, init: str = "auto") -> list[str]:
+    return [*co_trained_overrides(family, init), "rl.draft_weight=0"]
 
 
 # --- running the variants ----------------------------------------------------------------
@@ -126,13 +135,14 @@ def run_e2e_bench(base: Config, out_dir: str | Path, runs_dir: str | Path) -> di
                           f"(got {base.checkpoint.resume!r})")
     runs_dir = Path(runs_dir)
     b = base.bench
-    variants = {BASELINE: ["draft.family=none"]} | {f: co_trained_overrides(f) for f in b.e2e_families}
+    variants = {BASELINE: ["draft.family=none", "checkpoint.draft_init=none"]} | {
+        f: co_trained_overrides(f, warm_start(base, f)) for f in b.e2e_families}
     configs = {name: with_overrides(base, overrides) for name, overrides in variants.items()}  # all refused up front
     history = {name: run_variant(name, cfg, runs_dir / name) for name, cfg in configs.items()}
     frozen = best_family(history, b.e2e_families) if b.e2e_frozen == "best" else b.e2e_frozen
     if frozen not in (None, "none"):
         name = FROZEN + frozen
-        variants[name] = frozen_overrides(frozen)
+        variants[name] = frozen_overrides(frozen, warm_start(base, frozen))
         history[name] = run_variant(name, with_overrides(base, variants[name]), runs_dir / name)
     return write_outputs(history, variants, base, out_dir)
 

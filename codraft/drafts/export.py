@@ -88,11 +88,17 @@ def check_family(draft: DraftModel, source_key: str, family_key: str, family: st
     return draft
 
 
+def exported_family(path: str | Path) -> str | None:
+    """The draft family an exported draft directory holds, from its config (None: no known family named)."""
+    config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    return config.get("codraft_family") or ARCHITECTURES.get((config.get("architectures") or [None])[0])
+
+
 def load_draft(path: str | Path, policy: Transformer) -> DraftModel:
     """Rebuild the draft in `path` for `policy`, attached to it and on its device (weights keep their dtype)."""
     path = Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
-    family = config.get("codraft_family") or ARCHITECTURES.get((config.get("architectures") or [None])[0])
+    family = exported_family(path)
     if family not in FAMILIES:
         raise ValueError(
             f"{path / CONFIG_FILE}: codraft_family={config.get('codraft_family')!r} / "

@@ -168,3 +168,15 @@ def test_the_shipped_workload_config_loads_and_asks_for_at_least_40_steps_of_lon
     cfg = load_config(Path(__file__).parents[2] / "configs" / "e2e_chain.yaml", [])
     assert (cfg.model.path, cfg.task.kind, cfg.task.reward) == ("smollm2-135m", "chain", "chain_steps")
     assert cfg.rl.steps >= 40 and cfg.rl.max_new_tokens >= 128 and cfg.draft_train.max_new_tokens >= 128
+
+
+def test_a_draft_dir_in_the_base_config_warm_starts_its_own_family_and_the_others_use_the_cache(tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"codraft_family": "dflash"}))
+    base = with_overrides(tiny(tmp_path), [f"checkpoint.draft_init={draft}"])
+    assert e2e.warm_start(base, "dflash") == str(draft)
+    assert e2e.warm_start(base, "eagle3") == "auto"
+    assert e2e.warm_start(tiny(tmp_path), "dflash") == "auto"
+    assert with_overrides(base, e2e.frozen_overrides("dflash", str(draft))).checkpoint.draft_init == str(draft)
+    assert with_overrides(base, ["draft.family=none", "checkpoint.draft_init=none"]).checkpoint.draft_init is None
