@@ -186,6 +186,7 @@ class DraftModel(nn.Module):
             fresh_taps=p.new_zeros(batch_size, 0, p.shape[1]),
             fresh_ids=rows.new_zeros(batch_size, 0),
             fresh_len=rows.clone(),
+            holes=torch.zeros(batch_size, max_len, dtype=torch.bool, device=p.device),
         )
 
     def fresh_features(self, state: DraftState) -> torch.Tensor:
@@ -224,7 +225,8 @@ class DraftState:
     Committed tokens are those in the target's KV cache. The draft has absorbed the
     first `absorbed[b]` of them into its own `cache`; the rest wait in `fresh_*`
     (concatenated taps and ids, right-padded) until the next proposal absorbs them
-    in one batched forward.
+    in one batched forward. Positions in `holes` were skipped (`skip_stale`): the
+    draft never wrote their keys, and its attention must not see them.
     """
 
     cache: KVCache
@@ -232,6 +234,7 @@ class DraftState:
     fresh_taps: torch.Tensor  # [B, U, n_taps * H]
     fresh_ids: torch.Tensor  # [B, U]
     fresh_len: torch.Tensor  # [B] long
+    holes: torch.Tensor  # [B, max_len] bool, positions whose keys the draft skipped
     extra: dict[str, torch.Tensor] = field(default_factory=dict)  # family-specific per-row tensors [B, ...]
     generator: torch.Generator | None = None  # the engine's, for the draft's own sampling
 
@@ -256,9 +259,27 @@ class DraftState:
         self.absorbed += self.fresh_len
         self.fresh_len.zero_()
 
+    def skip_stale(self, keep: int) -> None:
+        """Drop all but the newest `keep` fresh tokens of the rows that have absorbed their prompt: their
+        positions become holes. While speculation is off every committed token waits here, and absorbing
+        them all would cost a probe about the draft's whole per-token cost of the stretch; the newest few
+        and the target's taps carry most of what the next drafts need. Prompts are always absorbed whole."""
+        drop = torch.where(self.absorbed > 0, (self.fresh_len - keep).clamp(min=0), 0)
+        if not bool(drop.any()):
+            return
+        positions = torch.arange(self.holes.shape[1], device=drop.device)[None]
+        self.holes |= (positions >= self.absorbed[:, None]) & (positions < (self.absorbed + drop)[:, None])
+        U = self.fresh_ids.shape[1]
+        shifted = (drop[:, None] + torch.arange(U, device=drop.device)).clamp(max=U - 1)  # [B, U]
+        self.fresh_ids = self.fresh_ids.gather(1, shifted)
+        self.fresh_taps = self.fresh_taps.gather(1, shifted[..., None].expand_as(self.fresh_taps))
+        self.absorbed += drop
+        self.fresh_len -= drop
+        self.cache.advance(drop)  # the cache's lengths count absorbed positions, holes included
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
-        self.absorbed, self.fresh_len = self.absorbed[rows], self.fresh_len[rows]
+        self.absorbed, self.fresh_len, self.holes = self.absorbed[rows], self.fresh_len[rows], self.holes[rows]
         self.fresh_taps, self.fresh_ids = self.fresh_taps[rows], self.fresh_ids[rows]
         self.extra = {name: t[rows] for name, t in self.extra.items()}
 
@@ -266,8 +287,9 @@ class DraftState:
 class LearnedDrafter(Drafter):
     """Adapts any DraftModel to the engine's Drafter protocol."""
 
-    def __init__(self, draft: DraftModel):
+    def __init__(self, draft: DraftModel, max_backlog: int = 16):
         self.draft = self.model = draft
+        self.max_backlog = max_backlog  # fresh tokens a proposal absorbs at most, after the prompt (skip_stale)
         self.tap_layers = draft.tap_layers
         self.state: DraftState | None = None
         self.params = SamplingParams()
@@ -287,6 +309,7 @@ class LearnedDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int) -> Proposal:
+        self.state.skip_stale(self.max_backlog)
         return self.draft.propose(self.state, pending, k, self.params)
 
     @torch.no_grad()

@@ -327,7 +327,7 @@ class DFlashDraft(DraftModel):
         self.absorb(state)
         n = state.absorbed  # [B] committed tokens; the block starts at position n
         B, L, b = n.numel(), int(n.max()), self.block_size
-        context_visible = torch.arange(L, device=n.device)[None] < n[:, None]  # [B, L]
+        context_visible = (torch.arange(L, device=n.device)[None] < n[:, None]) & ~state.holes[:, :L]  # [B, L]
         visible = torch.cat([context_visible, n.new_ones(B, b, dtype=torch.bool)], 1)  # [B, L + b]
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

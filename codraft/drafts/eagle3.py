@@ -34,7 +34,7 @@ from codraft.drafts.export import draft_config, exported_layer_args, load_checke
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.drafts.vocab import draft_vocab, vocab_ids
-from codraft.models import KVCache, ModelArgs
+from codraft.models import ModelArgs
 from codraft.models.linear import Linear
 from codraft.models.model import RMSNorm
 from codraft.models.rope import RotaryEmbedding
@@ -228,7 +228,7 @@ class Eagle3Draft(DraftModel):
             probs.append(p)
             if i + 1 < k:  # tentative keys at n-1+i+1, past the committed length
                 pos = (last + i + 1)[:, None]
-                hidden = self._cached_forward(state.cache, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
+                hidden = self._cached_forward(state, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
         B = pending.shape[0]
         lengths = torch.full((B,), k, dtype=torch.long, device=pending.device)
         if params.greedy:
@@ -246,7 +246,7 @@ class Eagle3Draft(DraftModel):
         nxt = F.pad(state.fresh_ids[:, 1:U], (0, 1))  # the next committed id ...
         nxt = torch.where(is_last, pending[:, None], nxt)  # ... or the pending token after the last one
         positions = torch.where(valid, state.absorbed[:, None] + steps, 0)
-        hidden = self._cached_forward(state.cache, self.fresh_features(state), nxt, positions, valid)
+        hidden = self._cached_forward(state, self.fresh_features(state), nxt, positions, valid)
         out = hidden[torch.arange(B, device=pending.device), state.fresh_len - 1]
         state.cache.advance(state.fresh_len)
         state.absorb_all()
@@ -254,17 +254,20 @@ class Eagle3Draft(DraftModel):
 
     def _cached_forward(
         self,
-        cache: KVCache,
+        state: DraftState,
         hidden: torch.Tensor,  # [B, S, H]
         tokens: torch.Tensor,  # [B, S]
         positions: torch.Tensor,  # [B, S]
         valid: torch.Tensor | None,  # [B, S] bool, slots to write to the cache; None = all
     ) -> torch.Tensor:
-        """Write the slots' keys at their positions, attend to cached keys at positions <= own -> [B, S, H]."""
+        """Write the slots' keys at their positions, attend to cached keys at positions <= own (holes
+        excepted) -> [B, S, H]."""
+        cache = state.cache
         q, k, v = self._qkv(hidden, tokens, positions)
         write_cache(cache, 0, positions, k, v, valid)
         kv_len = int(positions.max()) + 1
         visible = torch.arange(kv_len, device=positions.device) <= positions[..., None]  # [B, S, kv_len]
+        visible &= ~state.holes[:, None, :kv_len]
         out = cache_attention(q, cache.k[0, :, :, :kv_len], cache.v[0, :, :, :kv_len], visible)
         return self.midlayer.finish(out, hidden)
 

@@ -8,6 +8,7 @@ import torch
 from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel, cache_attention, write_cache
 from codraft.models import KVCache
+from codraft.rollout.sampling import SamplingParams
 from tests.drafts.blocks import draft_config, packed_batch, tiny_policy
 
 SHARED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -78,3 +79,58 @@ def test_every_family_names_its_draft_loss_and_first_position_accuracy_alike():
         assert metrics["loss/draft"] == pytest.approx(loss.item()), family
         names[family] = {k for k in metrics if k.startswith("draft/acc_pos_")}
     assert names["eagle3"] == names["dflash"] == names["dspark"] == {"draft/acc_pos_0", "draft/acc_pos_1"}
+
+
+def decode_plainly(policy, cache, drafters, pending: torch.Tensor, steps: int) -> torch.Tensor:
+    """`steps` greedy target steps whose tokens every drafter gets as commits (speculation off) -> next pending."""
+    taps = drafters[0].tap_layers
+    for _ in range(steps):
+        feed = pending[:, None]
+        with torch.no_grad():
+            out = policy(feed, cache=cache, taps=taps)
+        cache.advance(1)
+        for drafter in drafters:
+            drafter.commit(feed, torch.ones_like(pending), out.taps)
+        pending = out.logits[:, -1].argmax(-1)
+    return pending
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_a_long_backlog_is_cut_to_its_newest_tokens_and_the_skipped_positions_are_never_attended(family):
+    """After a stretch of plain steps a proposal absorbs only the newest `max_backlog` tokens; the others
+    become holes. Garbage written into the holes of one drafter's cache changes none of its later proposals."""
+    policy = tiny_policy()
+    draft = build_draft(draft_config(family), policy).eval()
+    prompts = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13]]
+    B, P = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    cache = policy.new_cache(B, 64)
+    with torch.no_grad():
+        out = policy(ids, cache=cache, taps=draft.tap_layers)
+    cache.lengths.copy_(lens)
+    drafters = [draft.drafter(), draft.drafter()]
+    for drafter in drafters:
+        drafter.max_backlog = 4
+        drafter.start(prompts, out.taps, SamplingParams(1.0), cache.max_len, torch.Generator().manual_seed(0))
+        drafter.propose(torch.tensor([1, 2, 3]), 2)  # absorbs the whole prompt
+        assert not drafter.state.holes.any()
+    pending = decode_plainly(policy, cache, drafters, torch.tensor([1, 2, 3]), 1)  # the prompt's pending token
+    pending = decode_plainly(policy, cache, drafters, pending, 10)
+    for drafter in drafters:
+        drafter.propose(pending, 2)
+        state = drafter.state
+        assert state.holes.sum(1).tolist() == [1 + 10 - 4] * B  # 11 fresh tokens, the newest 4 absorbed
+        assert state.absorbed.tolist() == (lens + 11).tolist() == state.cache.lengths.tolist()
+        first_hole = state.holes.long().argmax(1)
+        assert first_hole.tolist() == lens.tolist()
+    noisy = drafters[1].state
+    rows, positions = noisy.holes.nonzero(as_tuple=True)
+    for kv in (noisy.cache.k, noisy.cache.v):
+        kv[:, rows, :, positions] = 1e3 * torch.randn_like(kv[:, rows, :, positions])
+    pending = decode_plainly(policy, cache, drafters, pending, 2)
+    a, b = (drafter.propose(pending, 3) for drafter in drafters)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=0)
