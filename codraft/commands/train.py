@@ -20,8 +20,8 @@ from codraft.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
-SUMMARY = ("reward/mean", "reward/accuracy", "spec/acceptance_length", "rollout/tokens_per_s", "loss/draft",
-           "time/step_s")
+SUMMARY = ("reward/mean", "reward/accuracy", "reward/final_answer_accuracy", "spec/acceptance_length",
+           "rollout/tokens_per_s", "loss/draft", "time/step_s")
 SUMMARY_STEPS = 5  # the summary compares the means of the first and the last this many steps
 
 
@@ -84,6 +84,6 @@ def summary_table(head: list[dict], tail: list[dict]) -> str:
         vals = [r[key] for r in rows if key in r and r[key] == r[key]]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    lines = [f"{'metric':<28}{'first 5':>10}{'last 5':>10}"]
-    lines += [f"{k:<28}{mean(head, k):>10.3f}{mean(tail, k):>10.3f}" for k in SUMMARY]
+    lines = [f"{'metric':<30}{'first 5':>10}{'last 5':>10}"]
+    lines += [f"{k:<30}{mean(head, k):>10.3f}{mean(tail, k):>10.3f}" for k in SUMMARY]
     return "\n".join(lines)

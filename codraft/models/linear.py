@@ -20,6 +20,14 @@ path 1.2-1.5x slower than 3-6 rows over the same weight (every SmolLM2 shape,
 lm_head included). `row_padding()` measures that once per process and packed
 calls with too few rows run zero-padded to the fastest count; the real rows'
 results are the same bits either way (tested).
+
+oneDNN also builds (JIT-compiles) and keeps a kernel per row count met, about 0.5 MiB each, and the rollout's
+row counts vary from step to step (rows still decoding, times k+1 in a verify, a prefill's prompt tokens): the
+soak's resident memory grew for ~60 steps as new counts appeared (+11% from step 10 to 60). So a packed call
+runs zero-padded to one of eight row counts per doubling above 8 rows (`run_rows`; under 1/8 of its rows are
+padding, which costs SmolLM2-sized matmuls a few percent), and the first pack of each weight shape builds the
+kernels of all 48 counts up to 256 (`_warm`: about 2.7 s once for SmolLM2-135M, most of it lm_head). Memory then
+stops growing at the start, but for the few counts of longer prefills.
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ log = logging.getLogger(__name__)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_PADDED_ROWS = 8
 _MIN_PADDING_GAIN = 0.9  # pad only where the padded call measured at most 90% of the unpadded one
+_WARM_ROWS = 256  # `_warm` builds the kernels of the row counts up to this
 _row_padding: dict[int, int] | None = None
+_warmed: set[tuple] = set()  # the weight shapes whose kernels `_warm` has built in this process
 
 
 def row_padding() -> dict[int, int]:
@@ -86,11 +96,10 @@ class Linear(nn.Linear):
         packed = self.packed
         if packed is not None and not torch.is_grad_enabled() and packed[0] == self._key():
             rows = x.numel() // self.in_features
-            padded = _row_padding.get(rows) if _row_padding else None
-            if padded is None:
+            padding = run_rows(rows) - rows
+            if not padding:
                 return torch.ops.mkldnn._linear_pointwise(x, packed[1], self.bias, "none", [], "")
-            x2 = x.reshape(rows, self.in_features)
-            x2 = torch.cat([x2, x2.new_zeros(padded - rows, self.in_features)])
+            x2 = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padding))  # one op: calls are microseconds
             out = torch.ops.mkldnn._linear_pointwise(x2, packed[1], self.bias, "none", [], "")
             return out[:rows].reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -108,7 +117,27 @@ class Linear(nn.Linear):
         if force or self.packed is None or self.packed[0] != self._key():
             with torch.no_grad():
                 self.packed = (self._key(), torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                _warm(self.packed[1], w, self.bias)
         return True
+
+
+def run_rows(rows: int) -> int:
+    """The row count a packed call of `rows` rows runs as, zero-padded (module docstring)."""
+    if rows <= _MAX_PADDED_ROWS:
+        return (_row_padding or {}).get(rows, rows)
+    step = 1 << (rows.bit_length() - 4)  # eight counts per doubling
+    return -(-rows // step) * step
+
+
+def _warm(packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Build oneDNN's kernel for every row count a call can run, once per weight shape and process."""
+    key = (tuple(weight.shape), weight.dtype, bias is not None)
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    for rows in sorted({run_rows(r) for r in range(1, _WARM_ROWS + 1)}):
+        x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 _warned = False

@@ -35,13 +35,29 @@ def correctness_reward(completion: str, problem: Problem) -> float:
     """
     expected = last_number(problem.answer)
     if expected is None:
-        return float(completion.strip().rstrip(".").casefold() == problem.answer.strip().rstrip(".").casefold())
+        return float(_same_text(completion, problem.answer))
     return float(same_number(last_number(completion), expected))
 
 
 def final_answer_reward(completion: str, problem: Problem) -> float:
     """1.0 if the completion's `final_number` equals the answer numerically, else 0.0 (the chain task's reward)."""
     return float(same_number(final_number(completion), last_number(problem.answer)))
+
+
+def answer_correct(completion: str, problem: Problem) -> bool:
+    """Whether the completion's final answer is the problem's, whatever reward the run trains on (the
+    `reward/final_answer_accuracy` metric): its `final_number` ("Answer: 57", else the last number) equals the
+    answer numerically; an answer with no number in it (free-text user data) is compared as text, as
+    `correctness_reward` does."""
+    expected = last_number(problem.answer)
+    if expected is None:
+        return _same_text(completion, problem.answer)
+    return same_number(final_number(completion), expected)
+
+
+def _same_text(completion: str, answer: str) -> bool:
+    """Equal ignoring surrounding space, a trailing period and case."""
+    return completion.strip().rstrip(".").casefold() == answer.strip().rstrip(".").casefold()
 
 
 def format_reward(completion: str, problem: Problem, bonus: float = 0.1) -> float:

@@ -50,7 +50,7 @@ from codraft.rl.drift import drift_probe
 from codraft.rl.grpo import group_advantages, rewards_tensor, zero_variance_groups
 from codraft.rl.prompts import prompt_corpus, prompt_encoder
 from codraft.rl.reward_guard import RewardGuard
-from codraft.rl.rewards import load_reward_fn, score
+from codraft.rl.rewards import answer_correct, load_reward_fn, score
 from codraft.rl.tasks import build_task
 from codraft.rollout import SpeculationController, generate
 from codraft.train.checkpoint import save_checkpoint
@@ -160,6 +160,7 @@ class Trainer:
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.tokens]
         errors: list[str] = []
         rewards, dropped = score(texts, row_problems, self.reward_fn, errors)
+        correct = [answer_correct(t, p) for t, p in zip(texts, row_problems, strict=True)]  # reward-independent
         if not all_agree(not self.reward_guard.exceeded(dropped, len(rows), errors), self.dims):
             raise self.reward_guard.failure()  # before an update that would train on nothing
         reward_t = rewards_tensor(rewards)
@@ -184,7 +185,10 @@ class Trainer:
         finite = reward_t[~reward_t.isnan()]
         metrics = {
             "reward/mean": float(finite.mean()) if finite.numel() else float("nan"),
+            # the share of samples at full reward: under chain_steps every step and the answer right, not the
+            # answer alone; that is reward/final_answer_accuracy, whatever the reward
             "reward/accuracy": float((finite >= 1.0).float().mean()) if finite.numel() else float("nan"),
+            "reward/final_answer_accuracy": sum(correct) / len(correct),
             "reward/dropped": float(dropped),
             "reward/flat_groups": float(flat.float().mean()),
             "response_length/mean": sum(map(len, rollout.tokens)) / len(rows),

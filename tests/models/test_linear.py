@@ -102,3 +102,40 @@ def test_row_padding_only_pads_up_to_a_bounded_row_count():
 
     padding = row_padding()
     assert all(1 <= rows < padded <= 8 for rows, padded in padding.items())
+
+
+@pytest.mark.parametrize("shape", [(17, 64), (3, 25, 64), (300, 64), (1953, 64)])
+def test_calls_padded_to_a_bucket_give_the_same_bits_and_shape(monkeypatch, shape):
+    """Row counts above 8 run zero-padded to one of eight counts per doubling."""
+    from codraft.models import linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 96, bias=True)
+    pack_linears(layer)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        padded = layer(x)
+        monkeypatch.setattr(linear, "run_rows", lambda rows: rows)
+        plain = layer(x)
+    assert padded.shape == plain.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(padded, plain, rtol=0, atol=0)
+
+
+def test_row_counts_run_are_few_and_padding_is_bounded():
+    from codraft.models.linear import run_rows
+
+    assert len({run_rows(rows) for rows in range(1, 257)}) <= 48
+    assert all(rows <= run_rows(rows) < rows * 9 / 8 for rows in range(9, 5000))
+
+
+def test_after_the_first_pack_no_call_of_up_to_256_rows_builds_a_kernel(capfd):
+    """oneDNN builds a kernel per row count met (about 0.5 MiB each): made at pack time, resident memory
+    does not grow as a run meets new row counts."""
+    layer = Linear(24, 40, bias=True)
+    pack_linears(layer)
+    capfd.readouterr()
+    with torch.no_grad(), torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        for rows in range(1, 257):
+            layer(torch.randn(rows, 24))
+    created = capfd.readouterr().out
+    assert "create:cache_hit" in created and "create:cache_miss" not in created

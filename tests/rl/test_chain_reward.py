@@ -4,7 +4,7 @@ import pytest
 
 from codraft.config import ConfigError, load_config
 from codraft.rl.chain_reward import chain_steps_reward, steps_in_order, written_steps
-from codraft.rl.rewards import final_answer_reward, load_reward_fn, score
+from codraft.rl.rewards import answer_correct, final_answer_reward, load_reward_fn, score
 from codraft.rl.tasks import ChainStep, Problem
 
 # 9 + 4 + 5 + 9, the e2e config's first prompt
@@ -64,6 +64,13 @@ def test_the_top_half_of_the_reward_means_the_final_answer_is_right():
     for completion in ["9 + 4 = 13\n13 + 5 = 18\n18 + 9 = 27\nAnswer: 27", "Answer: 27", "Answer: 26", "9 + 4 = 13"]:
         reward = chain_steps_reward(completion, NINE)
         assert 0.0 <= reward <= 1.0 and (reward >= 0.5) == (final_answer_reward(completion, NINE) == 1.0)
+
+
+def test_final_answer_accuracy_does_not_follow_the_chain_steps_reward():
+    wrong_steps = "9 + 4 = 12\n12 + 5 = 17\n17 + 9 = 26\nAnswer: 27"
+    assert answer_correct(wrong_steps, NINE) and chain_steps_reward(wrong_steps, NINE) < 1.0
+    wrong_answer = "9 + 4 = 13\n13 + 5 = 18\n18 + 9 = 27\nAnswer: 28"  # every step, then a slip
+    assert not answer_correct(wrong_answer, NINE) and chain_steps_reward(wrong_answer, NINE) == 0.5
 
 
 def test_negative_running_totals_are_credited():

@@ -69,6 +69,7 @@ def test_a_chain_run_trains_and_scores_with_either_chain_reward(tmp_path, reward
                  "run.tensorboard=false", f"run.dir={tmp_path}"]) == 0
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert row["reward/mean"] == 0.0 and row["reward/dropped"] == 0  # a random policy never gets a chain right
+    assert row["reward/final_answer_accuracy"] == 0.0
 
 
 def test_chain_steps_follow_the_expression_and_an_answer_written_as_asked_scores_one():

@@ -7,6 +7,7 @@ import torch
 
 from codraft.rl import rewards
 from codraft.rl.rewards import (
+    answer_correct,
     combine,
     correctness_reward,
     final_answer_reward,
@@ -84,6 +85,22 @@ def test_final_answer_reward_scores_the_final_number_only():
     assert final_answer_reward("no numbers", p) == 0.0
     assert final_answer_reward("Answer: 24", Problem("q", "no number")) == 0.0
     assert load_reward_fn("final_answer") is final_answer_reward
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("19", "19", True),  # the arithmetic task's bare number
+        ("12 + 7 = 19", "19", True),  # no "Answer:": the last number
+        ("Answer: 24. That took 2 steps.", "24", True),  # the announced number, not the last
+        ("Answer: 23", "24", False),
+        ("no numbers", "24", False),
+        (" Paris. ", "paris", True),  # a free-text answer: compared as text
+        ("Lyon", "Paris", False),
+    ],
+)
+def test_answer_correct_reads_the_final_answer_of_every_task_kind(completion, answer, expected):
+    assert answer_correct(completion, Problem("q", answer)) is expected
 
 
 def test_last_number():

@@ -13,6 +13,7 @@ from codraft.train.trainer import Trainer
 DESIGN_METRICS = [
     "reward/mean",
     "reward/accuracy",
+    "reward/final_answer_accuracy",
     "reward/flat_groups",
     "loss/policy",
     "loss/draft",
