@@ -93,12 +93,15 @@ class VerifyCostModel:
 class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
-    def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, decay: float = 0.98,
+    def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05,
                  refresh_every: int = 32):
         self.max_k = max_k
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
-        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        # each position's estimate averages about the last `memory` row observations, whatever the batch: rows
+        # move into text the draft predicts worse (past an answer) within a few steps, and a per-step decay
+        # kept batch 8 speculating on the acceptance of the answers for ~50 steps into what followed them
+        self.prior, self.prior_weight, self.memory = prior, prior_weight, memory
         self.hits = [0.0] * max_k  # discounted accepted counts per position
         self.trials = [0.0] * max_k  # discounted reached counts per position
         self.cost = VerifyCostModel()
@@ -166,8 +169,9 @@ class SpeculationController:
         """reached[i]/accepted[i]: rows for which draft position i was in play / accepted. draft_s: seconds of
         the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting)."""
         for i in range(min(k, self.max_k)):
-            self.hits[i] = self.decay * self.hits[i] + accepted[i]
-            self.trials[i] = self.decay * self.trials[i] + reached[i]
+            fade = min(1.0, self.memory / (self.trials[i] + reached[i])) if reached[i] else 1.0
+            self.hits[i] = fade * (self.hits[i] + accepted[i])
+            self.trials[i] = fade * (self.trials[i] + reached[i])
         self.cost.observe(rows, k + 1, verify_s)
         self.since_decode[rows] = self.since_decode.get(rows, 0) + 1 if k else 0
         if k and draft_s is not None:

@@ -119,3 +119,26 @@ def test_a_new_batch_probes_a_controller_that_is_off():
     assert c.choose(1) == 0
     c.new_batch()
     assert c.choose(1) == c.probe_k
+
+
+def steps_until_off(c: SpeculationController, rows: int, rate: float, k: int, limit: int = 60) -> int:
+    """Steps at acceptance `rate` after which no k is predicted to beat plain decoding by min_gain."""
+    for steps in range(1, limit + 1):
+        observe_acceptance(c, rate, rows=rows, steps=1, k=k)
+        plain = c.tokens_per_second(rows, 0)
+        if all(c.tokens_per_second(rows, j) < (1 + c.min_gain) * plain for j in range(1, c.max_k + 1)):
+            return steps
+    return limit + 1
+
+
+def test_when_acceptance_collapses_at_batch_8_speculation_stops_within_a_few_steps():
+    """Rows that move past their answers into text the draft does not predict: the estimate follows the last
+    few steps' rows, not a history of the answers (a per-step decay of 0.98 kept it on for ~50 steps)."""
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=8)
+    observe_acceptance(c, 0.9, rows=8, steps=20, k=4)
+    assert c.choose(8) > 0
+    assert steps_until_off(c, rows=8, rate=0.0, k=4) <= 6
+    slow = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=8)
+    slow.memory = 1e9  # a plain average over all history: the same collapse is not noticed for long
+    observe_acceptance(slow, 0.9, rows=8, steps=20, k=4)
+    assert steps_until_off(slow, rows=8, rate=0.0, k=4) > 12
