@@ -113,6 +113,7 @@ class SpeculationController:
         # the first steps measured
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
+        self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
 
     def new_batch(self) -> None:
         """A generate call starts: new prompts (and, in training, an updated draft) may accept differently, so
@@ -146,6 +147,7 @@ class SpeculationController:
         return rows * self.expected_tokens(k) / seconds
 
     def choose(self, rows: int) -> int:
+        self.probing = False
         if not self.cost.known():
             return 0  # the first steps decode plainly and so time a decode step
         rates = [self.tokens_per_second(rows, k) for k in range(self.max_k + 1)]
@@ -162,6 +164,7 @@ class SpeculationController:
             return 0
         self.steps_off = 0
         self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+        self.probing = True
         return min(self.probe_k, self.max_k)
 
     def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,

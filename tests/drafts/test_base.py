@@ -134,3 +134,20 @@ def test_a_long_backlog_is_cut_to_its_newest_tokens_and_the_skipped_positions_ar
     a, b = (drafter.propose(pending, 3) for drafter in drafters)
     assert torch.equal(a.tokens, b.tokens)
     torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=0)
+
+
+def test_a_probe_skips_the_old_part_of_the_prompt_too():
+    policy = tiny_policy()
+    draft = build_draft(draft_config("eagle3"), policy).eval()
+    prompts = [list(range(3, 23)), [7, 8, 9]]
+    ids = torch.zeros(2, 20, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    with torch.no_grad():
+        out = policy(ids, taps=draft.tap_layers)
+    drafter = draft.drafter()
+    drafter.max_backlog = 4
+    drafter.start(prompts, out.taps, SamplingParams(1.0), 64, torch.Generator().manual_seed(0))
+    drafter.propose(torch.tensor([1, 2]), 2, probe=True)
+    assert drafter.state.holes.sum(1).tolist() == [16, 0]  # the long prompt keeps its newest 4 tokens
+    assert drafter.state.absorbed.tolist() == [20, 3]

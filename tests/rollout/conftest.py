@@ -43,7 +43,7 @@ class SkewedDrafter(Drafter):
     def start(self, prompts, taps, params, max_len, generator=None):
         self.rows = len(prompts)
 
-    def propose(self, pending, k):
+    def propose(self, pending, k, probe=False):
         tokens = torch.multinomial(self.q.expand(self.rows, -1), k, replacement=True, generator=self.g)
         if self.vocab is not None:
             tokens = self.vocab[tokens]

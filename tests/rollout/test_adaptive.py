@@ -142,3 +142,17 @@ def test_when_acceptance_collapses_at_batch_8_speculation_stops_within_a_few_ste
     slow.memory = 1e9  # a plain average over all history: the same collapse is not noticed for long
     observe_acceptance(slow, 0.9, rows=8, steps=20, k=4)
     assert steps_until_off(slow, rows=8, rate=0.0, k=4) > 12
+
+
+def test_only_a_probe_is_marked_as_probing():
+    c = SpeculationController(4)
+    for _ in range(2):
+        c.choose(8)
+        c.observe(0, [], [], 8, verify_s=0.010, draft_s=None)
+    marks = []
+    for _ in range(40):
+        k = c.choose(8)
+        marks.append((k, c.probing))
+        c.observe(k, [8] + [0] * (k - 1) if k else [], [0] * k, 8, verify_s=0.010 * (1 + 0.1 * k), draft_s=0.001 * k)
+    assert any(probing for _, probing in marks)
+    assert all(probing == (k > 0) for k, probing in marks[1:]), marks  # once off, every k > 0 is a probe
