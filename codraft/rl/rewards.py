@@ -49,10 +49,9 @@ def answer_correct(completion: str, problem: Problem) -> bool:
     `reward/final_answer_accuracy` metric): its `final_number` ("Answer: 57", else the last number) equals the
     answer numerically; an answer with no number in it (free-text user data) is compared as text, as
     `correctness_reward` does."""
-    expected = last_number(problem.answer)
-    if expected is None:
+    if last_number(problem.answer) is None:
         return _same_text(completion, problem.answer)
-    return same_number(final_number(completion), expected)
+    return final_answer_reward(completion, problem) == 1.0
 
 
 def _same_text(completion: str, answer: str) -> bool:
