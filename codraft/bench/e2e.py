@@ -8,8 +8,10 @@ Runs with the same seed, prompts and step budget (the config given, e.g. `config
   frozen_<family>          the same warm start, never updated (rl.draft_weight=0): the control
                            (bench.e2e_frozen; best: the co-trained family with the highest last-10 tau)
 Every variant is the base config with a few overrides, built through the config loader and validated.
-Each trains in <run.dir>/<variant> (default runs/e2e). A variant that completed (its done marker holds this
-config) is read back, not re-run; an interrupted one resumes from its newest checkpoint.
+Each trains in <run.dir>/<variant> (default runs/e2e), all in this process, one step of each in turn: this host's
+speed drifts by tens of percent over minutes, and variants run one after another measured that drift as well.
+A variant that completed (its done marker holds this config) is read back, not re-run; an interrupted one
+resumes from its newest checkpoint.
 
 Outputs (bench.out_dir): e2e.json (every run's per-step metrics and the summary), e2e.md (the table) and
 e2e.png (reward, train/inference KL, acceptance length, rollout seconds and drift against step).
@@ -22,6 +24,8 @@ import logging
 import math
 import statistics
 from pathlib import Path
+
+import torch
 
 from codraft.bench.report import machine, markdown_table, write_results
 from codraft.config import Config, ConfigError, config_to_dict, save_config, with_overrides
@@ -86,46 +90,92 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [{k: math.nan if v is None else v for k, v in row.items()} for row in rows]
 
 
-def run_variant(name: str, cfg: Config, run_dir: Path) -> list[dict]:
-    """Train one variant to rl.steps in `run_dir` (resuming its newest checkpoint) -> its per-step rows; a variant
-    whose done marker holds this config is read back instead."""
+def completed(name: str, cfg: Config, run_dir: Path) -> bool:
+    """Whether `run_dir` holds a completed run of this variant's config (ConfigError if of another)."""
     done = run_dir / DONE
-    if done.is_file():
-        saved, now = json.loads(done.read_text()), identity(cfg)
-        if saved != now:
-            differ = sorted(k for k in now.keys() | saved.keys() if saved.get(k) != now.get(k))
-            raise ConfigError(f"run.dir: {run_dir} holds a completed {name} run of another config "
-                              f"({', '.join(differ)}); give bench e2e a fresh run.dir or remove that directory")
-        log.info("e2e: %s is complete in %s; not re-run", name, run_dir)
-        return read_rows(run_dir)
-    overrides = [f"run.dir={run_dir}"]
-    try:
-        latest_checkpoint(run_dir)
-        overrides.append(f"checkpoint.resume={run_dir}")
-    except FileNotFoundError:
-        pass  # nothing saved yet: from the start
-    cfg = with_overrides(cfg, overrides)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    trainer = Trainer(cfg, run_dir)
-    log.info("e2e: training %s in %s from step %d", name, run_dir, trainer.step)
-    every = cfg.checkpoint.every
-    with StopOnSignal() as stop, MetricsLogger(run_dir, cfg.run.tensorboard, trainer.step) as metrics:
-        for _ in progress(range(trainer.step, cfg.rl.steps), desc=f"e2e {name}"):
-            row = trainer.train_step()
-            metrics.log(trainer.step, row)
-            log.info("e2e %s step %d/%d: reward %.3f  tau %.2f  rollout %.1f s  step %.1f s", name, trainer.step,
-                     cfg.rl.steps, row["reward/mean"], row["spec/acceptance_length"], row["time/rollout_s"],
-                     row["time/step_s"])
-            if stop.signum is not None:
-                break
-            if every and trainer.step % every == 0 and trainer.step < cfg.rl.steps:
-                trainer.save()
-        trainer.save()
+    if not done.is_file():
+        return False
+    saved, now = json.loads(done.read_text()), identity(cfg)
+    if saved != now:
+        differ = sorted(k for k in now.keys() | saved.keys() if saved.get(k) != now.get(k))
+        raise ConfigError(f"run.dir: {run_dir} holds a completed {name} run of another config "
+                          f"({', '.join(differ)}); give bench e2e a fresh run.dir or remove that directory")
+    log.info("e2e: %s is complete in %s; not re-run", name, run_dir)
+    return True
+
+
+class VariantRun:
+    """One variant's trainer, stepped in turn with the others' in this process. It keeps its own torch RNG
+    stream (draft init, anchor sampling), so taking turns leaves every variant's trajectory what it is alone."""
+
+    def __init__(self, name: str, cfg: Config, run_dir: Path):
+        overrides = [f"run.dir={run_dir}"]
+        try:
+            latest_checkpoint(run_dir)
+            overrides.append(f"checkpoint.resume={run_dir}")
+        except FileNotFoundError:
+            pass  # nothing saved yet: from the start
+        self.name, self.cfg, self.run_dir = name, with_overrides(cfg, overrides), run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, run_dir / "config.yaml")
+        self.trainer = Trainer(self.cfg, run_dir)  # seeds the global RNG, restores it on resume
+        self.rng = torch.get_rng_state()
+        self.metrics = MetricsLogger(run_dir, self.cfg.run.tensorboard, self.trainer.step)
+        log.info("e2e: training %s in %s from step %d", name, run_dir, self.trainer.step)
+
+    @property
+    def done(self) -> bool:
+        return self.trainer.step >= self.cfg.rl.steps
+
+    def _own_rng(self, work):
+        torch.set_rng_state(self.rng)
+        try:
+            return work()
+        finally:
+            self.rng = torch.get_rng_state()
+
+    def step(self) -> None:
+        t, every, steps = self.trainer, self.cfg.checkpoint.every, self.cfg.rl.steps
+        row = self._own_rng(t.train_step)
+        self.metrics.log(t.step, row)
+        log.info("e2e %s step %d/%d: reward %.3f  tau %.2f  rollout %.1f s  step %.1f s", self.name, t.step, steps,
+                 row["reward/mean"], row["spec/acceptance_length"], row["time/rollout_s"], row["time/step_s"])
+        if every and t.step % every == 0 and t.step < steps:
+            self._own_rng(t.save)
+
+    def close(self) -> None:
+        """Save the newest state; mark the variant complete when it reached rl.steps."""
+        self._own_rng(self.trainer.save)
+        self.metrics.close()
+        if self.done:
+            (self.run_dir / DONE).write_text(json.dumps(identity(self.cfg), indent=1) + "\n")
+
+
+def run_variants(runs: dict[str, tuple[Config, Path]]) -> dict[str, list[dict]]:
+    """Train every variant to its rl.steps, one step of each in turn (a host whose speed drifts over minutes
+    slows them alike), each resuming its newest checkpoint -> {name: per-step rows}. A variant whose done
+    marker holds its config is read back instead."""
+    pending = {name: (cfg, run_dir) for name, (cfg, run_dir) in runs.items() if not completed(name, cfg, run_dir)}
+    live = [VariantRun(name, cfg, run_dir) for name, (cfg, run_dir) in pending.items()]
+    with StopOnSignal() as stop:
+        try:
+            with progress(sum(v.cfg.rl.steps - v.trainer.step for v in live),
+                          desc="e2e " + " / ".join(v.name for v in live)) as bar:
+                while stop.signum is None and not all(v.done for v in live):
+                    for v in (v for v in live if not v.done):
+                        v.step()
+                        bar.update()
+                        if stop.signum is not None:
+                            break
+        except BaseException:  # a failed step: what was logged stays, nothing half-trained is saved
+            for v in live:
+                v.metrics.close()
+            raise
+    for v in live:
+        v.close()
     if stop.signum is not None:
-        raise Interrupted(name, stop.exit_code)
-    done.write_text(json.dumps(identity(cfg), indent=1) + "\n")
-    return read_rows(run_dir)
+        raise Interrupted(next((v.name for v in live if not v.done), "e2e"), stop.exit_code)
+    return {name: read_rows(run_dir) for name, (_, run_dir) in runs.items()}
 
 
 def run_e2e_bench(base: Config, out_dir: str | Path, runs_dir: str | Path) -> dict:
@@ -137,13 +187,17 @@ def run_e2e_bench(base: Config, out_dir: str | Path, runs_dir: str | Path) -> di
     b = base.bench
     variants = {BASELINE: ["draft.family=none", "checkpoint.draft_init=none"]} | {
         f: co_trained_overrides(f, warm_start(base, f)) for f in b.e2e_families}
+    if b.e2e_frozen not in ("best", "none"):  # named: it takes turns with the others
+        variants[FROZEN + b.e2e_frozen] = frozen_overrides(b.e2e_frozen, warm_start(base, b.e2e_frozen))
     configs = {name: with_overrides(base, overrides) for name, overrides in variants.items()}  # all refused up front
-    history = {name: run_variant(name, cfg, runs_dir / name) for name, cfg in configs.items()}
-    frozen = best_family(history, b.e2e_families) if b.e2e_frozen == "best" else b.e2e_frozen
-    if frozen not in (None, "none"):
-        name = FROZEN + frozen
-        variants[name] = frozen_overrides(frozen, warm_start(base, frozen))
-        history[name] = run_variant(name, with_overrides(base, variants[name]), runs_dir / name)
+    history = run_variants({name: (cfg, runs_dir / name) for name, cfg in configs.items()})
+    best = best_family(history, b.e2e_families) if b.e2e_frozen == "best" else None
+    if best is not None:  # known only now: it runs after the others, alone (its timings did not take turns)
+        name = FROZEN + best
+        log.warning("e2e: bench.e2e_frozen=best: %s runs after the other variants, not in turn with them; name a "
+                    "family to interleave it", name)
+        variants[name] = frozen_overrides(best, warm_start(base, best))
+        history |= run_variants({name: (with_overrides(base, variants[name]), runs_dir / name)})
     return write_outputs(history, variants, base, out_dir)
 
 
@@ -187,10 +241,11 @@ def window_mean(rows: list[dict], key: str, last: bool) -> float:
     return mean_se([r.get(key, math.nan) for r in picked])[0]
 
 
-def timed_totals(rows: list[dict], steps: set[int]) -> tuple[float, float]:
-    """Total rollout and step seconds over `steps`."""
+def timed_totals(rows: list[dict], steps: set[int]) -> tuple[float, float, float]:
+    """Total rollout seconds, step seconds and mean response length over `steps`."""
     picked = [r for r in rows if r["step"] in steps]
-    return sum(r["time/rollout_s"] for r in picked), sum(r["time/step_s"] for r in picked)
+    return (sum(r["time/rollout_s"] for r in picked), sum(r["time/step_s"] for r in picked),
+            sum(r["response_length/mean"] for r in picked))
 
 
 def summarize(history: dict[str, list[dict]]) -> list[dict]:
@@ -203,8 +258,8 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
     for name, rows in history.items():
         steps = {r["step"] for r in rows} & {r["step"] for r in base}
         steps = {s for s in steps if s > SKIP_FIRST}
-        rollout, step = timed_totals(rows, steps)
-        base_rollout, base_step = timed_totals(base, steps)
+        rollout, step, tokens = timed_totals(rows, steps)
+        base_rollout, base_step, base_tokens = timed_totals(base, steps)
         reward, se = mean_se([r["reward/mean"] for r in rows[-WINDOW:]])
         diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
@@ -217,6 +272,10 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "rollout_share": rollout / step if step else math.nan,
             "rollout_speedup": base_rollout / rollout if rollout else math.nan,
             "e2e_speedup": base_step / step if step else math.nan,
+            # sampled runs part ways: a run that drew shorter answers did less work in its seconds
+            "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,
+            "rollout_tokens_per_s_vs_baseline": (tokens / rollout) / (base_tokens / base_rollout)
+            if rollout and base_tokens and base_rollout else math.nan,
             "reward_last": reward,
             "reward_last_se": se,
             "reward_diff": diff,
@@ -229,11 +288,12 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
 
 def table(summary: list[dict], cfg: Config) -> str:
     header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", "rollout share", "rollout speedup",
-              "e2e speedup", f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE", "train/inference KL",
-              "drift (last)"]
+              "e2e speedup", "response tokens vs baseline", "rollout tokens/s vs baseline",
+              f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE", "train/inference KL", "drift (last)"]
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
     rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"], s["rollout_share"], s["rollout_speedup"],
-             s["e2e_speedup"], f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
+             s["e2e_speedup"], s["tokens_vs_baseline"], s["rollout_tokens_per_s_vs_baseline"],
+             f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
              yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]
     rl, task = cfg.rl, cfg.task
     base = next(s for s in summary if s["run"] == BASELINE)
@@ -245,7 +305,9 @@ def table(summary: list[dict], cfg: Config) -> str:
         "Every figure is measured in these runs (no estimate): speedups are the baseline's total wall-clock seconds "
         f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "
         f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
-        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps.",
+        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps. Sampled "
+        "runs part ways, so their answers' lengths differ: response tokens vs baseline is the run's total over the "
+        "baseline's on those steps, rollout tokens/s vs baseline the ratio of response tokens per rollout second.",
         f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",
     ]
     if base["rollout_share"] < MIN_ROLLOUT_SHARE:

@@ -18,11 +18,12 @@ from tests.drafts.test_warm_start import TINY, TINY_RL
 
 
 def records(n: int, rollout_s: float = 2.0, step_s: float = 4.0, tau=lambda i: 1.0, reward=lambda i: 0.5,
-            **extra) -> list[dict]:
+            length: float = 100.0, **extra) -> list[dict]:
     """n steps of synthetic metrics; the first step is 10x slower, as a warm-up step is."""
     slow = lambda i: 10.0 if i == 0 else 1.0  # noqa: E731
     return [{"step": i + 1, "time/rollout_s": rollout_s * slow(i), "time/step_s": step_s * slow(i),
-             "spec/acceptance_length": tau(i), "reward/mean": reward(i), "kl/train_inference": 0.01, **extra}
+             "spec/acceptance_length": tau(i), "reward/mean": reward(i), "kl/train_inference": 0.01,
+             "response_length/mean": length, **extra}
             for i in range(n)]
 
 
@@ -39,6 +40,13 @@ def test_speedups_are_baseline_seconds_over_run_seconds_on_the_shared_steps_afte
     assert s["eagle3"]["e2e_speedup"] == pytest.approx(9 * 4.0 / (9 * 3.0 + 9.0))
     assert s["baseline"]["rollout_speedup"] == 1.0 and s["baseline"]["e2e_speedup"] == 1.0
     assert s["baseline"]["rollout_share"] == pytest.approx(0.5)
+
+
+def test_a_run_that_drew_shorter_answers_shows_them_beside_its_speedup():
+    history = {"baseline": records(5), "eagle3": records(5, rollout_s=1.0, length=50.0)}
+    s = by_run(e2e.summarize(history))["eagle3"]
+    assert s["rollout_speedup"] == pytest.approx(2.0)  # half the seconds, for half the tokens
+    assert s["tokens_vs_baseline"] == pytest.approx(0.5) and s["rollout_tokens_per_s_vs_baseline"] == pytest.approx(1.0)
 
 
 def test_tau_windows_are_the_first_and_last_ten_steps():
@@ -73,8 +81,8 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     md = (tmp_path / "e2e.md").read_text()
     header, _, baseline, dspark = md.splitlines()[:4]
     assert header.startswith("| run | steps | tau first 10 | tau last 10 | rollout share | rollout speedup |")
-    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.143 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
-    assert baseline.split(" | ")[9] == "n/a"  # the baseline is the reference of the reward test
+    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.143 | 2 | 1.14 | 1 | 2 | 0.500 ± 0.000 | 0 | yes |")
+    assert baseline.split(" | ")[11] == "n/a"  # the baseline is the reference of the reward test
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
     assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
@@ -102,15 +110,15 @@ def test_a_completed_variant_is_read_back_and_not_re_run(tmp_path, monkeypatch):
     rows = records(2)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / e2e.DONE).write_text(json.dumps(e2e.identity(cfg)))
-    assert e2e.run_variant("baseline", cfg, run_dir) == rows
+    assert e2e.run_variants({"baseline": (cfg, run_dir)}) == {"baseline": rows}
     with pytest.raises(ConfigError, match=r"holds a completed baseline run of another config \(rl.steps\)"):
-        e2e.run_variant("baseline", with_overrides(cfg, ["rl.steps=3"]), run_dir)
+        e2e.run_variants({"baseline": (with_overrides(cfg, ["rl.steps=3"]), run_dir)})
 
 
 def test_a_variant_stopped_by_a_signal_resumes_from_its_checkpoint_and_matches_an_unstopped_run(tmp_path,
                                                                                                  monkeypatch):
     cfg = with_overrides(tiny(tmp_path), ["draft.family=none", "checkpoint.every=0"])
-    unstopped = e2e.run_variant("baseline", cfg, tmp_path / "unstopped")
+    unstopped = e2e.run_variants({"baseline": (cfg, tmp_path / "unstopped")})["baseline"]
     steps, train_step = [], Trainer.train_step
 
     def step_then_sigint_after_step_1(self):
@@ -123,13 +131,27 @@ def test_a_variant_stopped_by_a_signal_resumes_from_its_checkpoint_and_matches_a
     monkeypatch.setattr(Trainer, "train_step", step_then_sigint_after_step_1)
     run_dir = tmp_path / "stopped"
     with pytest.raises(e2e.Interrupted) as stop:
-        e2e.run_variant("baseline", cfg, run_dir)
+        e2e.run_variants({"baseline": (cfg, run_dir)})
     assert (stop.value.variant, stop.value.exit_code) == ("baseline", 130) and not (run_dir / e2e.DONE).exists()
-    resumed = e2e.run_variant("baseline", cfg, run_dir)
+    resumed = e2e.run_variants({"baseline": (cfg, run_dir)})["baseline"]
     assert steps == [1, 2] and (run_dir / e2e.DONE).is_file()  # step 1 was not trained again
-    timing = ("time/", "rollout/tokens_per_s")
-    assert [{k: v for k, v in r.items() if not k.startswith(timing)} for r in resumed] == \
-        [{k: v for k, v in r.items() if not k.startswith(timing)} for r in unstopped]
+    assert untimed(resumed) == untimed(unstopped)
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "rollout/tokens_per_s"))} for r in rows]
+
+
+def test_variants_taking_turns_train_as_each_does_alone(tmp_path):
+    # dflash samples its anchors from the torch RNG: two of them drawing from one stream would change both
+    cfg = with_overrides(tiny(tmp_path), ["checkpoint.every=0", "draft.family=dflash", "checkpoint.draft_init=none",
+                                          "rl.max_new_tokens=16", "task.reward=tests.train.test_trainer:length_reward"])
+    alone = e2e.run_variants({"dflash": (cfg, tmp_path / "alone")})["dflash"]
+    turns = e2e.run_variants({"first": (cfg, tmp_path / "first"), "second": (cfg, tmp_path / "second")})
+    assert "loss/draft" in alone[-1] and untimed(turns["first"]) == untimed(turns["second"])
+    assert len(turns["first"]) == len(alone) == 2
+    for in_turn, by_itself in zip(untimed(turns["first"]), untimed(alone), strict=True):  # up to kernels' float noise
+        assert in_turn == pytest.approx(by_itself, rel=1e-3, nan_ok=True)
 
 
 def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path, monkeypatch):
