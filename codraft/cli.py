@@ -15,6 +15,7 @@ from pathlib import Path
 
 from codraft.config import Config, ConfigError, load_config
 from codraft.config_help import config_reference
+from codraft.host_memory import keep_freed_memory
 from codraft.observability import setup_logging
 
 # name -> (help, "module:function")
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides += [f"checkpoint.resume={args.resume}", f"run.dir={args.resume}"]
         cfg = load_config(config_file, overrides)
         setup_logging(cfg.run.log_level)
+        if cfg.run.host_memory == "keep":  # process-wide, before the command allocates anything large
+            keep_freed_memory()
         run = getattr(importlib.import_module(module), function)
         if args.command == "config":
             return run(cfg, sections(args.for_command))

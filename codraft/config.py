@@ -38,6 +38,10 @@ class RunConfig:
     seed: int = 0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tensorboard: bool = True
+    # keep: freed host memory stays in the process for reuse, so a step's large tensors do not fault their pages
+    # in anew; release: handed back to the OS after each train step, resident memory is what is in use
+    # (host_memory.py)
+    host_memory: Literal["keep", "release"] = "keep"
 
 
 # the draft families (drafts/: one module each, registered for export under these names): the one list that

@@ -1,37 +1,57 @@
-"""A training process's host memory: what it holds resident, and handing freed memory back between steps.
+"""A training process's host memory: keeping freed memory for reuse, or handing it back between steps; what
+the process holds resident.
 
-glibc keeps what tensors free inside its heap (after the first large free its mmap threshold rises to 32 MiB, so
-a small model's activations and gradients all live there), and returns it to the OS only from the heap's top. A
-step frees most of what it allocated, but where the holes fall changes from step to step: without a trim the
-resident memory of the soak's tiny-llama run swung between about 540 and 750 MiB with some 330 MiB of the heap
-in use, and two readings mostly showed where in that swing they fell. `release_free_memory()` after each step
-(malloc_trim(0), which also gives back free pages inside the heap) makes resident memory what the process uses.
-It costs about 30 ms per tiny-llama step (3% of a 1.1 s step; `time/release_memory_s`), a fixed cost that a
-larger model's step dwarfs. Other C libraries: a no-op.
+`run.host_memory=keep` (the default, `keep_freed_memory()`): glibc serves every block from its heap and never
+gives the heap back. By default it maps each block above its mmap threshold (32 MiB at most) on its own and
+unmaps it on free, so the next such block faults its pages in again, zeroed by the kernel. A training step of
+SmolLM2 frees and re-allocates dozens of [tokens, vocab] tensors (~200 MiB each at 1k tokens): one update of
+4 x 272 tokens spent about a third of its CPU time in the kernel faulting pages in, and keeping freed memory
+cut training time to 0.71x in `codraft train` (README, "Host memory"). Kept, the process's resident memory is
+its high-water mark.
+
+`run.host_memory=release` (`release_free_memory()` after each step): malloc_trim(0) gives free pages back,
+also from inside the heap, so resident memory is what the process uses at the step's end, at the price of
+faulting them in again next step. Other C libraries: both are no-ops.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 
-def _malloc_trim():
+# mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+
+
+def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and libc.malloc_trim and libc.mallopt else None
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return None
 
 
-_TRIM = _malloc_trim()
+_LIBC = _glibc()
+
+
+def keep_freed_memory() -> bool:
+    """From now on serve large blocks from the heap (no mmap) and never trim it (glibc); False elsewhere."""
+    if _LIBC is None:
+        log.debug("run.host_memory=keep: not glibc, the C library's default stays")
+        return False
+    # mallopt returns 1 on success; -1 as the trim threshold turns trimming off (mallopt(3))
+    return bool(_LIBC.mallopt(M_MMAP_MAX, 0)) and bool(_LIBC.mallopt(M_TRIM_THRESHOLD, -1))
 
 
 def release_free_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc); nothing elsewhere."""
-    if _TRIM is not None:
-        _TRIM(0)
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def rss_mib(pid: int | str = "self") -> float | None:

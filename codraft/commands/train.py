@@ -51,9 +51,10 @@ def train(cfg: Config, dims: ParallelDims) -> int:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
             step_metrics = trainer.train_step()
-            t_release = time.perf_counter()
-            release_free_memory()  # the step's freed tensors back to the OS: resident memory is what is in use
-            step_metrics["time/release_memory_s"] = time.perf_counter() - t_release  # outside time/step_s
+            if cfg.run.host_memory == "release":  # the step's freed tensors back to the OS
+                t_release = time.perf_counter()
+                release_free_memory()
+                step_metrics["time/release_memory_s"] = time.perf_counter() - t_release  # outside time/step_s
             step_metrics["memory/rss_mib"] = rss_mib() or float("nan")  # this rank's (the writer's, in the file)
             if writer:
                 metrics.log(trainer.step, step_metrics)
