@@ -52,14 +52,48 @@ def setup_logging(level: str = "info") -> None:
     logging.getLogger("codraft").setLevel(ours if not rank() else max(ours, logging.WARNING))
 
 
+PROGRESS_LOG_EVERY_S = 60.0  # without a terminal, a bar's state becomes a log line at most this often
+
+
+class _ProgressLines:
+    """A file for tqdm that logs each new state of a bar as one INFO line (a log has no carriage return)."""
+
+    def __init__(self) -> None:
+        self.last = ""
+
+    def write(self, text: str) -> None:
+        text = text.strip()
+        if text and text != self.last:  # closing repeats the final state
+            self.last = text
+            log.info("%s", text)
+
+    def flush(self) -> None:
+        pass
+
+
+class _LoggedBar(tqdm):
+    """A bar whose postfix waits for its next timed refresh: set every step, it must not log every step."""
+
+    def set_postfix(self, ordered_dict=None, refresh=True, **kwargs):
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+
 def progress(iterable_or_total: Iterable[Any] | int, desc: str = "", *, force: bool = False, **kwargs: Any) -> tqdm:
-    """A tqdm bar on stderr, off when stderr is not a terminal (CI logs stay readable) unless ``force``, and on
-    every torchrun rank but 0."""
-    shown = (force or sys.stderr.isatty()) and not rank()
-    kwargs.update(desc=desc, file=sys.stderr, dynamic_ncols=True, disable=not shown)
+    """A tqdm bar on stderr when it is a terminal (or ``force``). Otherwise (CI, nohup, a batch job) a bar that
+    has run `PROGRESS_LOG_EVERY_S` logs its state as a line that often, so a long phase is not silent and a
+    short one adds nothing. Off on every torchrun rank but 0."""
+    bar = tqdm
+    if (force or sys.stderr.isatty()) and not rank():
+        kwargs.update(file=sys.stderr, dynamic_ncols=True)
+    else:
+        bar = _LoggedBar
+        every = PROGRESS_LOG_EVERY_S
+        kwargs.update(file=_ProgressLines(), mininterval=every, delay=every, disable=bool(rank()),
+                      bar_format="{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}")
+    kwargs["desc"] = desc
     if isinstance(iterable_or_total, int):
-        return tqdm(total=iterable_or_total, **kwargs)
-    return tqdm(iterable_or_total, **kwargs)
+        return bar(total=iterable_or_total, **kwargs)
+    return bar(iterable_or_total, **kwargs)
 
 
 def prepare_run_dir(cfg: Any, command: str) -> Path:

@@ -2,6 +2,7 @@ import json
 import logging
 import re
 import sys
+import time
 
 import pytest
 import yaml
@@ -45,16 +46,28 @@ def test_log_line_during_progress_bar_is_its_own_line(restore_logging, capsys):
     assert any(line.endswith("INFO codraft.test: midway") for line in lines(capsys.readouterr().err))
 
 
-def test_progress_is_off_without_a_tty_unless_forced(capsys):
+def test_without_a_tty_a_short_bar_is_silent_unless_forced(restore_logging, capsys):
     assert not sys.stderr.isatty()
-    bar = progress([1, 2], "items")
-    assert bar.disable and list(bar) == [1, 2]
+    setup_logging("info")
+    assert list(progress([1, 2], "items")) == [1, 2]
     with progress(5, "steps") as bar:
         bar.update(5)
     assert capsys.readouterr().err == ""
     with progress(5, "steps", force=True) as bar:
         bar.update(5)
     assert "steps: 100%" in capsys.readouterr().err
+
+
+def test_without_a_tty_a_long_bar_logs_its_state_as_lines(restore_logging, capsys, monkeypatch):
+    monkeypatch.setattr("codraft.observability.PROGRESS_LOG_EVERY_S", 0.05)
+    setup_logging("info")
+    bar = progress(range(4), "distil")
+    for i in bar:
+        time.sleep(0.06)
+        bar.set_postfix({"loss": i})  # shown with the next timed line, not a line of its own
+    logged = [line for line in lines(capsys.readouterr().err) if "codraft.observability: distil:" in line]
+    assert 1 <= len(logged) <= 4 and logged[-1].endswith("distil: 100% 4/4 [00:00<00:00], loss=3"), logged
+    assert "\r" not in "".join(logged) and len(logged) == len(set(logged))  # one line per state, no repeats
 
 
 def test_prepare_run_dir_resolves_dir_and_saves_config(monkeypatch, tmp_path):
