@@ -30,8 +30,21 @@ def exact_joint(model, params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sampled_counts(model, drafter, params: SamplingParams, draws: int, seed: int) -> torch.Tensor:
-    counts = torch.zeros(V, V, V)
+def exact_with_stop(joint: torch.Tensor, stop: int) -> torch.Tensor:
+    """P over sequences of up to three tokens that end at the first `stop`, as [V+1]^3 (index V: ended)."""
+    out = torch.zeros(V + 1, V + 1, V + 1, dtype=joint.dtype)
+    go = torch.tensor([t for t in range(V) if t != stop])  # tokens after which the row goes on
+    out[stop, V, V] = joint[stop].sum()
+    out[go, stop, V] = joint[go, stop].sum(-1)
+    out[go[:, None], go[None, :], :V] = joint[go[:, None], go[None, :]]
+    return out
+
+
+def sampled_counts(model, drafter, params: SamplingParams, draws: int, seed: int,
+                   stop: int | None = None) -> torch.Tensor:
+    """Counts of the first three tokens [V]^3; with a `stop` token, of sequences that end there, [V+1]^3
+    (index V after the end)."""
+    counts = torch.zeros((V,) * 3 if stop is None else (V + 1,) * 3)
     for call in range(draws // 4000):
         out = generate(
             model,
@@ -42,10 +55,10 @@ def sampled_counts(model, drafter, params: SamplingParams, draws: int, seed: int
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
-            stop_token_ids=[],
+            stop_token_ids=[] if stop is None else [stop],
             seed=seed + call,
         )
-        first3 = torch.tensor([t[:3] for t in out.tokens])
+        first3 = torch.tensor([(t + [V] * 3)[:3] for t in out.tokens])
         counts.index_put_((first3[:, 0], first3[:, 1], first3[:, 2]), torch.ones(len(first3)), accumulate=True)
     return counts
 
@@ -99,3 +112,17 @@ def test_proposals_over_a_reduced_vocabulary_follow_the_target_distribution():
     drafter = SkewedDrafter(V, vocab=torch.tensor([0, 2, 3, 6]))
     counts = sampled_counts(model, drafter, SamplingParams(1.0), N, seed=11)
     assert chi_square_pvalue(counts, exact_joint(model, SamplingParams(1.0))) > ALPHA
+
+
+@pytest.mark.parametrize("point_mass", [None, False, True], ids=["plain", "probs", "point-mass"])
+def test_where_a_stop_token_ends_a_row_follows_the_target_distribution(point_mass):
+    """A row ends at its first stop token, also one inside an accepted draft: the distribution of those endings
+    (and so of response lengths) is the target's. Plain sampling checks the enumeration itself."""
+    model = tiny_model(vocab_size=V, sharpen=2.0, tie_word_embeddings=False)
+    params = SamplingParams(1.0)
+    joint = exact_joint(model, params)
+    stop = int(joint.sum((1, 2)).argsort(descending=True)[2])  # a token of moderate first-position mass
+    drafter = None if point_mass is None else SkewedDrafter(V, point_mass=point_mass)
+    counts = sampled_counts(model, drafter, params, N, seed=13, stop=stop)
+    assert counts[stop, V, V] > 0 and counts[:V, stop, V].sum() > 0  # rows did end at the stop, at 1 and 2
+    assert chi_square_pvalue(counts, exact_with_stop(joint, stop)) > ALPHA
