@@ -5,8 +5,9 @@ that timing changes no decision, checkpoint.every from the config):
   interrupted    SIGKILLed two steps after the first checkpoint at or past the midpoint, then `--resume`d to the end
   uninterrupted  the same steps in one process
 Reported: the resident memory of the training process after step `checkpoint.every` and after the last step
-(`memory/rss_mib`, which `codraft train` measures after each step once freed memory is handed back; the
-uninterrupted run is one process throughout: its growth is the figure), that metrics.jsonl holds every step
+(`memory/rss_mib`, which `codraft train` measures after each step: the high-water mark under the default
+run.host_memory=keep, what is in use under release; the uninterrupted run is one process throughout: its
+growth is the figure), that metrics.jsonl holds every step
 exactly once, and that every step's metrics (timing and memory aside) equal the uninterrupted run's.
 """
 
