@@ -155,8 +155,8 @@ def run_variants(runs: dict[str, tuple[Config, Path]]) -> dict[str, list[dict]]:
     """Train every variant to its rl.steps, one step of each in turn (a host whose speed drifts over minutes
     slows them alike), each resuming its newest checkpoint -> {name: per-step rows}. A variant whose done
     marker holds its config is read back instead."""
-    pending = {name: (cfg, run_dir) for name, (cfg, run_dir) in runs.items() if not completed(name, cfg, run_dir)}
-    live = [VariantRun(name, cfg, run_dir) for name, (cfg, run_dir) in pending.items()]
+    live = [VariantRun(name, cfg, run_dir) for name, (cfg, run_dir) in runs.items()
+            if not completed(name, cfg, run_dir)]
     with StopOnSignal() as stop:
         try:
             with progress(sum(v.cfg.rl.steps - v.trainer.step for v in live),
@@ -242,7 +242,8 @@ def window_mean(rows: list[dict], key: str, last: bool) -> float:
 
 
 def timed_totals(rows: list[dict], steps: set[int]) -> tuple[float, float, float]:
-    """Total rollout seconds, step seconds and mean response length over `steps`."""
+    """Total rollout seconds, step seconds and the steps' mean response lengths summed over `steps` (response
+    tokens over the rows of a step, which every variant shares)."""
     picked = [r for r in rows if r["step"] in steps]
     return (sum(r["time/rollout_s"] for r in picked), sum(r["time/step_s"] for r in picked),
             sum(r["response_length/mean"] for r in picked))

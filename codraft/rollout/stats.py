@@ -40,6 +40,11 @@ class RolloutStats:
         ]
 
     @property
+    def mean_k(self) -> float:
+        """The speculative tokens chosen per verify step, on average (0 when none ran)."""
+        return sum(self.k_chosen) / max(len(self.k_chosen), 1)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens_generated / self.time_total_s if self.time_total_s > 0 else 0.0
 

@@ -196,7 +196,7 @@ class Trainer:
             "spec/acceptance_length": stats.acceptance_length,
             "spec/draft_tokens": float(stats.draft_tokens_proposed),
             "rollout/tokens_per_s": stats.tokens_per_s,
-            "spec/mean_k": sum(stats.k_chosen) / max(len(stats.k_chosen), 1),  # the controller's k, per verify step
+            "spec/mean_k": stats.mean_k,  # the controller's k, per verify step
             "time/rollout_s": t_rollout,
             "time/rollout_draft_s": stats.time_draft_s,  # of time/rollout_s: proposals, verify forwards, prefill
             "time/rollout_verify_s": stats.time_verify_s,

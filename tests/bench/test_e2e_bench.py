@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from codraft.bench import e2e
+from codraft.bench.soak import deterministic
 from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
 from codraft.train.trainer import Trainer
@@ -139,7 +140,7 @@ def test_a_variant_stopped_by_a_signal_resumes_from_its_checkpoint_and_matches_a
 
 
 def untimed(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "rollout/tokens_per_s"))} for r in rows]
+    return [deterministic(r) for r in rows]  # the soak's rule: what measures the machine left out
 
 
 def test_variants_taking_turns_train_as_each_does_alone(tmp_path):
