@@ -56,6 +56,15 @@ def failed_wait(e: BaseException) -> str:
     return f"torch.distributed {op} from {' < '.join(f.name for f in ours)} ({where}:{ours[0].lineno})"
 
 
+def _wait(work: dist.Work, deadline: float) -> bool:
+    """Whether `work` completed before `deadline` (a peer that is gone or silent fails it)."""
+    try:
+        work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+        return True
+    except RuntimeError:
+        return False
+
+
 class RollCall:
     """The roll call's gloo group over every rank of the job (collective to create, like any group)."""
 
@@ -70,20 +79,23 @@ class RollCall:
         """The ranks that do not answer within ROLL_CALL_S (or timeout_s / 2, if shorter)."""
         me = dist.get_rank()
         peers = [r for r in range(dist.get_world_size()) if r != me]
-        replies = {}
+        replies, answers = {}, []
         for p in peers:
             try:
-                self._sent.append(dist.isend(torch.ones(1), dst=p, group=self.group, tag=_TAG))
+                answers.append(dist.isend(torch.ones(1), dst=p, group=self.group, tag=_TAG))
                 replies[p] = dist.irecv(torch.zeros(1), src=p, group=self.group, tag=_TAG)
             except RuntimeError:  # p is gone
                 pass
+        self._sent.extend(answers)
         deadline = time.monotonic() + min(ROLL_CALL_S, self.timeout_s / 2)
         silent = [p for p in peers if p not in replies]
         for p, work in replies.items():
-            try:
-                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
-            except RuntimeError:
+            if not _wait(work, deadline):
                 silent.append(p)
+        # gloo hands a send over only once its peer has posted the receive: a rank that left right after hearing
+        # everyone could take its own answer to a later caller with it, and be named silent by that caller
+        for work in answers:
+            _wait(work, deadline)
         return sorted(silent)
 
     def error(self, e: BaseException) -> RankTimeout:
