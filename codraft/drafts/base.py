@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from codraft.attention import AttentionOutput, Branches, branch_attention
@@ -23,6 +22,9 @@ from codraft.config import DraftConfig
 from codraft.drafts.layers import TapFusion
 from codraft.drafts.shard import TokenShard
 from codraft.models import KVCache, ModelArgs, Transformer
+from codraft.models.cache_attention import CacheMask
+from codraft.models.cache_attention import cache_attention as attention_over_cache
+from codraft.models.linear import packed_dtype
 from codraft.models.model import packed_positions
 from codraft.rollout.drafter import Drafter, Proposal
 from codraft.rollout.sampling import SamplingParams
@@ -106,6 +108,11 @@ class DraftModel(nn.Module):
         if self._head_module and not torch.is_grad_enabled():  # inference: the policy's module, packed weight
             return self._head_module[0](hidden)
         return nn.functional.linear(hidden, self._head)
+
+    @property
+    def inference_dtype(self) -> torch.dtype:
+        """The dtype of the packed copies the draft's rollout matmuls run on (`draft.inference_dtype`)."""
+        return packed_dtype(self.cfg.inference_dtype, self.fusion.fc.weight.dtype)
 
     def fuse(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         return self.fusion.project(self.concat_taps(taps))
@@ -213,9 +220,9 @@ def write_cache(cache: KVCache, layer: int, positions: torch.Tensor, k: torch.Te
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """Inference attention over a draft's keys: q [B, S, H, D], keys/values [B, Hkv, L, D] (cached and/or
     fresh), visible [B, S or 1, L] bool -> [B, S, H, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=visible[:, None],
-                                         enable_gqa=True)
-    return out.transpose(1, 2)
+    B, S, H, _ = q.shape
+    mask = CacheMask(visible, S, H, keys.shape[1], q.dtype)
+    return attention_over_cache(q.transpose(1, 2), keys, values, mask).transpose(1, 2)
 
 
 @dataclass
@@ -292,6 +299,7 @@ class LearnedDrafter(Drafter):
 
     def __init__(self, draft: DraftModel, max_backlog: int = 16):
         self.draft = self.model = draft
+        self.model_dtype = draft.inference_dtype
         self.max_backlog = max_backlog  # fresh tokens a proposal absorbs at most, after the prompt (skip_stale)
         self.tap_layers = draft.tap_layers
         self.state: DraftState | None = None

@@ -177,8 +177,7 @@ class DFlashDraft(DraftModel):
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
-            q = layer.self_attn.q(h, cos, sin)
-            k, v = layer.self_attn.kv(h, cos, sin)
+            q, k, v = layer.self_attn.qkv(h, cos, sin)
             x = layer.finish(attend(i, q, k, v), x)
         return self.norm(x)
 
@@ -209,7 +208,7 @@ class DFlashDraft(DraftModel):
         if self.head_vocab is None:
             return self.policy_head(hidden)
         assert self._head is not None, "call draft.attach(policy) first"
-        return self.rows["head"](self._head, self.head_vocab)(hidden)
+        return self.rows["head"](self._head, self.head_vocab, self.inference_dtype)(hidden)
 
     def target_ids(self, local: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> target ids."""

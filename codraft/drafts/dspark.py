@@ -80,7 +80,7 @@ class DSparkDraft(DFlashDraft):
         """Inference: the Markov bias [..., N] over `head_vocab` (all V without one)."""
         if self.head_vocab is None:
             return self.markov(prev)
-        return self.rows["markov"](self.markov.w2.weight, self.head_vocab)(self.markov.w1(prev))
+        return self.rows["markov"](self.markov.w2.weight, self.head_vocab, self.inference_dtype)(self.markov.w1(prev))
 
     def block_loss(self, hidden, logits, policy_logits, targets, weights, total):
         flat = logits.flatten(0, 1), policy_logits.flatten(0, 1), targets.flatten()

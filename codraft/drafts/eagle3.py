@@ -121,8 +121,7 @@ class Eagle3Draft(DraftModel):
         """hidden [.., S, H], tokens/positions [.., S] -> q [.., S, H, D], k/v [.., S, Hkv, D]."""
         x = self.midlayer.attn_input(self.embed(tokens), hidden)
         cos, sin = self.rotary(positions, x.dtype)
-        proj = self.midlayer.self_attn
-        return (proj.q(x, cos, sin), *proj.kv(x, cos, sin))
+        return self.midlayer.self_attn.qkv(x, cos, sin)
 
     # --- training ---
     def ttt_forward(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from codraft.models.args import ModelArgs
-from codraft.models.linear import Linear
+from codraft.models.linear import FusedLinears, Linear
 from codraft.models.model import FeedForward, RMSNorm
 from codraft.models.rope import apply_rotary
 
@@ -46,17 +46,23 @@ class Projections(nn.Module):
         self.o_proj = Linear(args.num_heads * d, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
+        self.qkv_group = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        self.kv_group = FusedLinears(self.k_proj, self.v_proj)  # DFlash's context: keys and values only
 
-    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [..., S, in] -> [..., S, H, D] with rotary applied."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [..., S, in] -> q [..., S, H, D], k, v [..., S, Hkv, D], rotary applied to q and k."""
+        q, k, v = self.qkv_group(x)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
         q = self.q_norm(q) if self.q_norm is not None else q
-        return apply_rotary(q, cos, sin)
+        return (apply_rotary(q, cos, sin), *self._kv(k, v, cos, sin))
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., S, in] -> k, v [..., S, Hkv, D], rotary applied to k."""
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return self._kv(*self.kv_group(x), cos, sin)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         k = self.k_norm(k) if self.k_norm is not None else k
         return apply_rotary(k, cos, sin), v
 

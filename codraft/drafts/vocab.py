@@ -77,15 +77,16 @@ class HeadRows:
     its version; a refit moves or rewrites it) or `ids` did. Not a Module: it holds no parameters of its own."""
 
     def __init__(self) -> None:
-        self.key: tuple[int, int, int] | None = None
+        self.key: tuple | None = None
         self.linear: Linear | None = None
 
     @torch.no_grad()
-    def __call__(self, weight: torch.Tensor, ids: torch.Tensor) -> Linear:
-        key = (weight._version, weight.data_ptr(), ids.data_ptr())
+    def __call__(self, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> Linear:
+        """The rows as a Linear packed in `dtype` (default: the weight's)."""
+        key = (weight._version, weight.data_ptr(), ids.data_ptr(), dtype)
         if self.linear is None or key != self.key:
             linear = Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
             linear.weight = nn.Parameter(weight[ids], requires_grad=False)
-            pack_linears(linear)
+            pack_linears(linear, dtype=dtype)
             self.key, self.linear = key, linear
         return self.linear

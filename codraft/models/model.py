@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from codraft.models.args import ModelArgs
+from codraft.models.cache_attention import CacheMask, cache_attention
 from codraft.models.kv_cache import KVCache
-from codraft.models.linear import Linear
+from codraft.models.linear import FusedLinears, Linear
 from codraft.models.rope import RotaryEmbedding, apply_rotary
 
 # (q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens [N+1]) -> out [T, H, D]
@@ -71,15 +72,17 @@ class Attention(nn.Module):
         self.k_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
         self.v_proj = Linear(h, args.num_kv_heads * d, bias=args.attention_bias)
         self.o_proj = Linear(args.num_heads * d, h, bias=False)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.packed_attention: PackedAttention = packed_causal_sdpa  # parallelisms swap this from outside
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: _AttentionContext) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(B, S, self.num_heads, self.head_dim)
+        k = k.view(B, S, self.num_kv_heads, self.head_dim)
+        v = v.view(B, S, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -95,7 +98,7 @@ class Attention(nn.Module):
             ctx.cache.write(ctx.layer_slot, ctx.positions, k, v)
             keys = ctx.cache.k[ctx.layer_slot, :, :, : ctx.kv_len]
             values = ctx.cache.v[ctx.layer_slot, :, :, : ctx.kv_len]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, enable_gqa=True)
+            out = cache_attention(q, keys, values, ctx.mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -105,9 +108,11 @@ class FeedForward(nn.Module):
         self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -131,7 +136,7 @@ class _AttentionContext:
     cu_seqlens: torch.Tensor | None = None
     cache: KVCache | None = None
     kv_len: int = 0  # cache columns that any query of this forward may see
-    mask: torch.Tensor | None = None  # [B, 1, S, kv_len] bool, key visible to query
+    mask: CacheMask | None = None  # which of the kv_len cache columns each query sees
     layer_slot: int = 0  # index of the current layer inside the cache
 
 
@@ -203,8 +208,8 @@ class Transformer(nn.Module):
         ctx = _AttentionContext(positions=positions, cu_seqlens=cu_seqlens, cache=cache)
         if cache is not None:
             ctx.kv_len = int(positions.max()) + 1
-            key_pos = torch.arange(ctx.kv_len, device=x.device)
-            ctx.mask = key_pos[None, None, None, :] <= positions[:, None, :, None]
+            visible = torch.arange(ctx.kv_len, device=x.device) <= positions[..., None]  # [B, S, kv_len]
+            ctx.mask = CacheMask(visible, S, self.args.num_heads, self.args.num_kv_heads, x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
 
         wanted = set(taps)

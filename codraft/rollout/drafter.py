@@ -37,6 +37,7 @@ class Drafter:
 
     tap_layers: tuple[int, ...] = ()
     model: nn.Module | None = None  # a learned drafter's weights, which the engine packs for inference
+    model_dtype: torch.dtype | None = None  # the dtype of those packed copies (None: the weights' own)
 
     def start(
         self,

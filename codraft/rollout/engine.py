@@ -140,9 +140,9 @@ def generate(
     stats = RolloutStats(rows=len(prompts))
     taps = drafter.tap_layers if drafter is not None else ()
     start = time.perf_counter()
-    for module in (model, drafter.model if drafter is not None else None):  # the target and a learned draft
-        if module is not None:  # packing is a no-op unless weights changed since the last call
-            pack_linears(module) if packed_weights else unpack_linears(module)
+    for module, dtype in ((model, None), (drafter.model, drafter.model_dtype) if drafter is not None else (None, None)):
+        if module is not None:  # packing is a no-op unless weights (or the dtype asked for) changed since the last call
+            pack_linears(module, dtype=dtype) if packed_weights else unpack_linears(module)
     stats.time_pack_s = time.perf_counter() - start
 
     # prefill: right-padded prompts; pad positions write keys no query will see

@@ -93,8 +93,7 @@ def reference_block_hidden(draft, policy: Transformer, batch: DraftBatch, anchor
         for layer in draft.layers:
             h = layer.input_layernorm(x)
             k_ctx, v_ctx = layer.self_attn.kv(context, cos_c, sin_c)
-            k_blk, v_blk = layer.self_attn.kv(h, cos_b, sin_b)
-            q = layer.self_attn.q(h, cos_b, sin_b)
+            q, k_blk, v_blk = layer.self_attn.qkv(h, cos_b, sin_b)
             out = explicit_attention(q, torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk]), visible)
             x = layer.finish(out, x)
         blocks.append(draft.norm(x))
@@ -178,14 +177,18 @@ def check_reduced_vocab(cls, out_dir):
     model = tiny_model(vocab_size=48, sharpen=3.0, tie_word_embeddings=False, num_layers=4)
     counts = torch.zeros(48, dtype=torch.long)
     counts[torch.arange(20) * 2] = 5  # the even ids are the frequent ones
-    draft = cls(draft_config(cls.family, mask_token_id=47, draft_vocab_size=20), model.args,
-                token_counts=counts).attach(model)
+    draft = cls(draft_config(cls.family, mask_token_id=47, draft_vocab_size=20, inference_dtype="float32"),
+                model.args, token_counts=counts).attach(model)
     assert draft.head_vocab.tolist() == list(range(0, 40, 2))
     hidden = torch.randn(2, 3, model.args.hidden_size, dtype=model.lm_head.weight.dtype)
     with torch.no_grad():
         torch.testing.assert_close(draft.head_logits(hidden), model.lm_head(hidden)[..., draft.head_vocab])
         model.lm_head.weight.mul_(2)  # an optimizer step: in place, the version counter moves
         torch.testing.assert_close(draft.head_logits(hidden), model.lm_head(hidden)[..., draft.head_vocab])
+        draft.cfg.inference_dtype = "bfloat16"  # bf16 copies of the same rows, fp32 logits
+        logits = draft.head_logits(hidden)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, model.lm_head(hidden)[..., draft.head_vocab], rtol=2e-2, atol=2e-2)
     export_draft(draft, out_dir)
     assert load_file(out_dir / "model.safetensors")["head_vocab"].tolist() == draft.head_vocab.tolist()
     rebuilt = load_draft(out_dir, model)

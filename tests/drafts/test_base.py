@@ -8,6 +8,8 @@ import torch
 from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel, cache_attention, write_cache
 from codraft.models import KVCache
+from codraft.models.linear import FusedLinears, Linear, packed_dtype, packing_available
+from codraft.rollout import generate
 from codraft.rollout.sampling import SamplingParams
 from tests.drafts.blocks import draft_config, packed_batch, tiny_policy
 
@@ -151,3 +153,25 @@ def test_a_probe_skips_the_old_part_of_the_prompt_too():
     drafter.propose(torch.tensor([1, 2]), 2, probe=True)
     assert drafter.state.holes.sum(1).tolist() == [16, 0]  # the long prompt keeps its newest 4 tokens
     assert drafter.state.absorbed.tolist() == [20, 3]
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_rollouts_pack_the_draft_in_its_inference_dtype_and_greedy_stays_exact(family):
+    """draft.inference_dtype: the draft's rollout matmuls run on bf16 (or fp32) copies; greedy speculative
+    tokens stay plain decoding's either way (the sampled case: the chi-square tests, auto = bf16 here)."""
+    policy = tiny_policy(dtype=torch.float32)
+    prompts = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9]]
+    kw = dict(temperature=0, max_new_tokens=10, stop_token_ids=[])
+    plain = generate(policy, prompts, **kw)
+    for setting, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        draft = build_draft(draft_config(family, block_size=3, mask_token_id=7, inference_dtype=setting), policy)
+        drafter = draft.drafter()
+        assert drafter.model_dtype == dtype
+        spec = generate(policy, prompts, drafter=drafter, num_speculative_tokens=2, **kw)
+        assert spec.tokens == plain.tokens and spec.stats.draft_tokens_proposed > 0
+        copies = [m.packed for m in draft.modules() if isinstance(m, Linear) and m.packed is not None]
+        copies += [g.packed for m in draft.modules() for g in vars(m).values() if isinstance(g, FusedLinears)]
+        assert copies and all(c.weight.dtype == dtype for c in copies)
+    assert packed_dtype("auto", torch.float32) == (
+        torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32)

@@ -139,3 +139,66 @@ def test_after_the_first_pack_no_call_of_up_to_256_rows_builds_a_kernel(capfd):
             layer(torch.randn(rows, 24))
     created = capfd.readouterr().out
     assert "create:cache_hit" in created and "create:cache_miss" not in created
+
+
+def _group(bias: tuple[bool, ...] = (False, False, False)):
+    from codraft.models.linear import FusedLinears
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.a, module.b, module.c = (Linear(24, n, bias=has) for n, has in zip((40, 8, 8), bias, strict=True))
+    module.abc = FusedLinears(module.a, module.b, module.c)
+    return module
+
+
+@pytest.mark.parametrize("bias", [(False, False, False), (True, False, True)])
+def test_a_packed_group_matches_each_member_s_f_linear(bias):
+    module = _group(bias)
+    assert pack_linears(module) == 1  # the group, not its members
+    assert module.abc.packed is not None and all(m.packed is None for m in (module.a, module.b, module.c))
+    x = torch.randn(3, 5, 24)
+    with torch.no_grad():
+        outs = module.abc(x)
+    for out, m in zip(outs, (module.a, module.b, module.c), strict=True):
+        torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_runs_its_members_for_gradients_and_after_a_member_changed():
+    module = _group()
+    pack_linears(module)
+    x = torch.randn(2, 24)
+    outs = module.abc(x)  # autograd on: the members' own F.linear, bit for bit
+    assert all(torch.equal(o, F.linear(x, m.weight)) for o, m in zip(outs, (module.a, module.b, module.c),
+                                                                       strict=True))
+    sum(o.sum() for o in outs).backward()
+    assert module.b.weight.grad is not None
+    with torch.no_grad():
+        module.b.weight.add_(1.0)  # one member's in-place update makes the copy stale
+        _, b_out, _ = module.abc(x)
+        assert torch.equal(b_out, F.linear(x, module.b.weight))
+
+
+def test_a_deep_copied_group_holds_the_copied_members_and_no_packed_weight():
+    import copy
+
+    module = _group()
+    pack_linears(module)
+    clone = copy.deepcopy(module)
+    assert clone.abc.packed is None and clone.abc.linears[0] is clone.a and module.abc.packed is not None
+    with torch.no_grad():
+        clone.a.weight.zero_()
+        assert torch.equal(clone.abc(torch.randn(1, 24))[0], torch.zeros(1, 40))
+
+
+def test_bf16_copies_of_fp32_weights_hand_back_fp32_close_to_the_fp32_result():
+    """A draft's inference matmuls may run on bf16 copies (half the bytes); its activations stay fp32."""
+    module = _group((True, False, False))
+    assert pack_linears(module, dtype=torch.bfloat16) == 1
+    assert module.abc.packed.weight.dtype == torch.bfloat16
+    x = torch.randn(4, 24)
+    with torch.no_grad():
+        out = module.abc(x)[0]
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, F.linear(x, module.a.weight, module.a.bias), rtol=2e-2, atol=2e-2)
+        pack_linears(module)  # asking for the weights' own dtype repacks
+        assert module.abc.packed.weight.dtype == torch.float32
