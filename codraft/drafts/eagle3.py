@@ -132,10 +132,12 @@ class Eagle3Draft(DraftModel):
         positions: torch.Tensor,
         steps: int,
         index: torch.Tensor | None = None,
-        head_rows: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
-        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H]; with `head_rows` [R]
-        only those rows' logits [R, N] (the head is most of a step's cost, and prompt rows feed no loss).
+        """Draft-vocab logits [T, N] of TTT steps 0..steps-1 over packed feats [T, H]; with `rows` [R] only
+        those rows' chains [R, N]. Step 0's keys come from every row, but a chain only ever reads its own
+        row's past steps and step 0's keys, so the rows that feed no loss (prompt rows) stop after their keys:
+        the layer's projections, MLP and head then run on R rows, not T.
 
         `ids` [T_all] are the token ids of the whole packed batch and `index` [T] the place of each of
         the T computed tokens in it (default: they are the whole batch), since step s at token t reads
@@ -145,22 +147,22 @@ class Eagle3Draft(DraftModel):
         """
         T_all, T = ids.numel(), feats.shape[0]
         index = torch.arange(T, device=ids.device) if index is None else index
-        anchors = torch.arange(T, device=ids.device)
-        hidden, logits = feats, []
+        rows = torch.arange(T, device=ids.device) if rows is None else rows
+        q, k0, v0 = self._qkv(feats, ids[(index + 1).clamp(max=T_all - 1)], positions)
+        out = self.attention(q, k0, v0, cu_seqlens).out
+        hidden = self.midlayer.finish(out[rows], feats[rows])  # [R, H], the next step's hidden input
+        logits = [self.head(hidden)]
+        index, positions = index[rows], positions[rows]
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []
-        for s in range(steps):
+        for s in range(1, steps):
             q, k, v = self._qkv(hidden, ids[(index + 1 + s).clamp(max=T_all - 1)], positions + s)
-            if s == 0:
-                k0, v0 = k, v
-                out = self.attention(q, k, v, cu_seqlens).out
-            else:
-                chain_k.append(k)
-                chain_v.append(v)
-                branches = Branches(q[:, None], torch.stack(chain_k, 1), torch.stack(chain_v, 1), anchors, True)
-                out = self.attention(None, k0, v0, cu_seqlens, branches).branch_out[:, 0]
-            hidden = self.midlayer.finish(out, hidden)  # [T, H], the next step's hidden input
-            logits.append(self.head(hidden if head_rows is None else hidden[head_rows]))
+            chain_k.append(k)
+            chain_v.append(v)
+            branches = Branches(q[:, None], torch.stack(chain_k, 1), torch.stack(chain_v, 1), rows, True)
+            out = self.attention(None, k0, v0, cu_seqlens, branches).branch_out[:, 0]
+            hidden = self.midlayer.finish(out, hidden)
+            logits.append(self.head(hidden))
         return logits
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -176,7 +178,7 @@ class Eagle3Draft(DraftModel):
         in_response = [(target + s < seq_end) & tokens.loss_mask[tgt] for s, tgt in enumerate(targets)]
         scored = torch.stack(in_response).any(0).nonzero().flatten()  # [R] local rows some step's loss reads
         logits = self.ttt_forward(self.fuse(taps), ids, batch.cu_seqlens, batch.rope_positions(), self.cfg.ttt_steps,
-                                  index, head_rows=scored)
+                                  index, rows=scored)
 
         policy_logits = batch.policy_logits.detach()  # [T_local, V]
         policy_local = policy_logits.index_select(-1, self.draft_ids())  # [T_local, N], softmax renormalises it
