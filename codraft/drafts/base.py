@@ -11,7 +11,7 @@ Interface (DESIGN.md "Contracts"):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -122,6 +122,12 @@ class DraftModel(nn.Module):
         return torch.cat([taps[i] for i in self.tap_layers], dim=-1)
 
     def attention(self, q, k, v, cu_seqlens, branches: Branches | None = None) -> AttentionOutput:
+        if torch.is_autocast_enabled(k.device.type):  # the attention kernels take one dtype: run them in fp32
+            q, k, v = (t.float() if t is not None else None for t in (q, k, v))
+            if branches is not None:
+                branches = replace(branches, q=branches.q.float(), k=branches.k.float(), v=branches.v.float())
+            with torch.autocast(k.device.type, enabled=False):
+                return (self.attention_op or self.default_attention)(q, k, v, cu_seqlens, branches)
         return (self.attention_op or self.default_attention)(q, k, v, cu_seqlens, branches)
 
     def default_attention(self, q, k, v, cu_seqlens, branches: Branches | None) -> AttentionOutput:

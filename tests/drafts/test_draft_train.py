@@ -117,3 +117,39 @@ def test_draft_train_lr_warms_up_then_follows_a_cosine_to_its_floor():
     assert f(2 + 9 / 2) == pytest.approx(0.55)  # half way down the cosine
     values = [f(s) for s in range(2, 12)]
     assert values == sorted(values, reverse=True)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_bf16_matmuls_in_distillation_keep_the_fp32_loss_and_gradients(family):
+    """draft_train.matmul_dtype=bfloat16 autocasts the draft's matmuls (attention kernels stay fp32): the loss
+    and the gradients' directions are the fp32 ones up to bf16 rounding; float32 turns it off."""
+    import torch
+
+    from codraft.config import DraftTrainConfig
+    from codraft.distill.distill import Distiller, draft_batch
+    from codraft.drafts import build_draft
+    from tests.drafts.blocks import draft_config, tiny_policy
+
+    policy = tiny_policy(dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    completions = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (12, 6, 15)]
+    draft = build_draft(draft_config(family), policy, None, corpus=completions)
+    batch = draft_batch(policy, draft, prompts, completions)
+
+    def loss_and_grads(matmul_dtype):
+        dt = DraftTrainConfig(matmul_dtype=matmul_dtype, cache_policy_outputs=False)
+        distiller = Distiller(policy, draft, prompts, completions, dt, seed=0)
+        torch.manual_seed(7)  # the same DFlash anchors on both sides
+        draft.zero_grad(set_to_none=True)
+        with distiller.autocast():
+            loss, _ = draft.loss(batch)
+            autocast = torch.is_autocast_enabled("cpu")
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in draft.parameters() if p.grad is not None])
+        return loss, grads, autocast
+
+    fp32, bf16 = loss_and_grads("float32"), loss_and_grads("bfloat16")
+    assert not fp32[2] and bf16[2] and bf16[0].dtype == torch.float32
+    torch.testing.assert_close(bf16[0], fp32[0], rtol=2e-2, atol=1e-3)
+    assert torch.nn.functional.cosine_similarity(bf16[1], fp32[1], dim=0) > 0.99
