@@ -344,6 +344,9 @@ class DraftTrainConfig:
     # compute the frozen policy's taps and response log-probs (fp16) once per response, not once per epoch:
     # about (number of taps x hidden x 4 + vocab x 2) bytes per response token of host memory
     cache_policy_outputs: bool = True
+    # keep the policy's generated responses under $CODRAFT_CACHE/responses, keyed by the policy, the prompts and
+    # the generation settings: other families, warm starts and ablations on them skip the generation
+    cache_responses: bool = True
     # the dtype of the draft's matmuls in distillation (autocast; weights, optimizer state, losses and attention
     # stay fp32): auto = bfloat16 where the device has bf16 kernels (a chain-task step 0.69x, loss equal to 1e-4)
     matmul_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
 from codraft.config import Config, DraftTrainConfig
+from codraft.distill.responses import policy_responses
 from codraft.drafts import DraftBatch, DraftModel, build_draft
 from codraft.models import Tokenizer, Transformer
 from codraft.models.linear import packed_dtype
 from codraft.observability import progress
 from codraft.rl.batch import pack_rollouts, whole_view
 from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task
-from codraft.rollout import generate
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +40,6 @@ def split_prompts(cfg: Config, tokenizer: Tokenizer, held_out: int) -> tuple[lis
                     "held-out prompts repeat training ones", len(task.problems), len(problems))
     ids = [build_prompt_ids(tokenizer, p, cfg.task.chat_template) for p in problems]
     return ids[: dt.num_prompts], ids[dt.num_prompts :]
-
-
-def generate_responses(policy: Transformer, prompts: list[list[int]], dt: DraftTrainConfig,
-                       seed: int) -> list[list[int]]:
-    """One response per prompt from the policy itself, in batches of `generate_batch_size`."""
-    start, out = time.perf_counter(), []
-    for i in progress(range(0, len(prompts), dt.generate_batch_size), desc="policy responses"):
-        rollout = generate(policy, prompts[i : i + dt.generate_batch_size], temperature=dt.temperature,
-                           max_new_tokens=dt.max_new_tokens, seed=seed * 1_000_003 + i)
-        out += rollout.tokens
-    tokens = sum(map(len, out))
-    log.info("generated %d responses (%.1f tokens each) in %.1fs", len(out), tokens / len(out),
-             time.perf_counter() - start)
-    return out
 
 
 @torch.no_grad()
@@ -182,7 +167,7 @@ class Distiller:
 def start_distillation(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
                        prompts: list[list[int]]) -> Distiller:
     """Generate the policy's responses to `prompts`, build a fresh `draft.family` draft, return its Distiller."""
-    completions = generate_responses(policy, prompts, cfg.draft_train, cfg.run.seed)
+    completions = policy_responses(policy, prompts, cfg.draft_train, cfg.run.seed)
     torch.manual_seed(cfg.run.seed)  # draft init and anchor sampling
     draft = build_draft(cfg.draft, policy, tokenizer, corpus=completions)
     return Distiller(policy, draft, prompts, completions, cfg.draft_train, cfg.run.seed)

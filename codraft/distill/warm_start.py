@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 
 from codraft.config import Config
 from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
+from codraft.distill.fingerprint import file_sha256, weights_fingerprint
 from codraft.drafts.base import DraftModel
 from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, export_draft, load_draft
 from codraft.models import Tokenizer, Transformer
@@ -46,27 +47,6 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 1  # bump when what an entry holds, or how a draft is distilled, changes
 MARKER = "cache.json"
 NO_ENTRY = "no cached draft"  # the one reason for distilling that is not worth a warning
-FINGERPRINT_SAMPLES = 4096  # values per weight tensor that the fingerprint reads
-
-
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 over every tensor's name, shape, dtype and an evenly strided sample of its values: cheap at any
-    model size, and any fine-tune (which moves every value of the tensors it trains) changes it."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        flat = t.detach().reshape(-1)
-        sample = flat[:: max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES]
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(sample.float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def cache_key(cfg: Config, policy: Transformer) -> dict:
@@ -76,7 +56,7 @@ def cache_key(cfg: Config, policy: Transformer) -> dict:
     task = dataclasses.asdict(cfg.task)
     del task["reward"]
     if cfg.task.kind == "jsonl":
-        task["data_sha256"] = _file_sha256(Path(cfg.task.path))
+        task["data_sha256"] = file_sha256(Path(cfg.task.path))
     key = {
         "format": CACHE_FORMAT,
         "policy": {"path": model_path, "dtype": cfg.model.dtype, "args": dataclasses.asdict(policy.args),
@@ -124,7 +104,7 @@ def read_entry(entry: Path, key: dict, policy: Transformer, family: str) -> tupl
         return None, f"made for another {', '.join(differ) or 'key'}"
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         recorded = (marker.get("files") or {}).get(name)
-        if not (entry / name).is_file() or _file_sha256(entry / name) != recorded:
+        if not (entry / name).is_file() or file_sha256(entry / name) != recorded:
             return None, f"{name} is missing, truncated or altered (its sha256 is not the one recorded)"
     try:
         draft = load_draft(entry, policy)
@@ -154,7 +134,7 @@ def write_entry(entry: Path, key: dict, draft: DraftModel) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
         out = export_draft(draft, staging / "draft")
-        files = {name: _file_sha256(out / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
+        files = {name: file_sha256(out / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
         (out / MARKER).write_text(json.dumps({"key": key, "files": files}, indent=2, sort_keys=True) + "\n")
         for f in out.iterdir():
             with f.open("rb") as fh:
