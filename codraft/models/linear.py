@@ -15,11 +15,14 @@ stale until the next pack.
 Writes that bypass the version counter (`dist.broadcast` into `.data`) must
 call `unpack_linears` or `pack_linears(..., force=True)`.
 
-oneDNN picks its kernel by row count, and on this machine 1 and 2 rows run a
-path 1.2-1.5x slower than 3-6 rows over the same weight (every SmolLM2 shape,
-lm_head included). `row_padding()` measures that once per process and packed
-calls with too few rows run zero-padded to the fastest count; the real rows'
-results are the same bits either way (tested).
+`FusedLinears` groups linears that read the same input (q/k/v, gate/up): their
+weights are packed side by side and run as one matmul. A copy may be in another
+dtype than its weights (`pack_linears(..., dtype=torch.bfloat16)`, a draft's
+rollout matmuls): inputs are cast to the copy's dtype and outputs back.
+
+Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
+padding decode and verify calls up to 5-6 rows measured 0.96-1.08x on SmolLM2's whole forward (in-process
+A/B, 1-4 rows x 1-4 tokens): the padding's own ops take what the kernel gains.
 
 oneDNN also builds (JIT-compiles) and keeps a kernel per row count met, about 0.5 MiB each, and the rollout's
 row counts vary from step to step (rows still decoding, times k+1 in a verify, a prefill's prompt tokens): the
@@ -33,7 +36,6 @@ stops growing at the start, but for the few counts of longer prefills.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -43,41 +45,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-_MAX_PADDED_ROWS = 8
-_MIN_PADDING_GAIN = 0.9  # pad only where the padded call measured at most 90% of the unpadded one
+_UNPADDED_ROWS = 8  # calls of up to this many rows run as they are
 _WARM_ROWS = 256  # `_warm` builds the kernels of the row counts up to this
-_row_padding: dict[int, int] | None = None
 _warmed: set[tuple] = set()  # the weight shapes whose kernels `_warm` has built in this process
-
-
-def row_padding() -> dict[int, int]:
-    """{rows: rows to run} for packed calls that are faster zero-padded; measured once per process over
-    48 MB of packed weights (more than the last-level cache, as a model's are), medians of interleaved runs."""
-    global _row_padding
-    if _row_padding is None:
-        _row_padding = _measure_row_padding() if packing_available() else {}
-        log.info("packed linear row padding (measured): %s", _row_padding or "none")
-    return _row_padding
-
-
-@torch.no_grad()
-def _measure_row_padding(repeats: int = 3) -> dict[int, int]:
-    weights = [torch.ops.mkldnn._reorder_linear_weight(torch.full((1024, 1024), 0.5), None) for _ in range(12)]
-    inputs = {m: torch.randn(m, 1024) for m in range(1, _MAX_PADDED_ROWS + 1)}
-    times: dict[int, list[float]] = {m: [] for m in inputs}
-    for _ in range(repeats):
-        for m, x in inputs.items():
-            start = time.perf_counter()
-            for w in weights:
-                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-            times[m].append(time.perf_counter() - start)
-    cost = {m: sorted(ts)[len(ts) // 2] for m, ts in times.items()}
-    padding = {}
-    for m in cost:
-        best = min(range(m, _MAX_PADDED_ROWS + 1), key=cost.__getitem__)
-        if cost[best] <= _MIN_PADDING_GAIN * cost[m]:
-            padding[m] = best
-    return padding
 
 
 def packing_available() -> bool:
@@ -212,8 +182,8 @@ class FusedLinears:
 
 def run_rows(rows: int) -> int:
     """The row count a packed call of `rows` rows runs as, zero-padded (module docstring)."""
-    if rows <= _MAX_PADDED_ROWS:
-        return (_row_padding or {}).get(rows, rows)
+    if rows <= _UNPADDED_ROWS:
+        return rows
     step = 1 << (rows.bit_length() - 4)  # eight counts per doubling
     return -(-rows // step) * step
 
@@ -242,7 +212,6 @@ def pack_linears(module: nn.Module, force: bool = False, dtype: torch.dtype | No
             log.info("oneDNN linear packing unavailable in this torch build; inference uses plain F.linear")
             _warned = True
         return 0
-    row_padding()
     groups = _groups(module)
     grouped = {id(m) for g in groups for m in g.linears}
     count = 0

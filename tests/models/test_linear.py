@@ -79,31 +79,6 @@ def test_a_packed_module_deep_copies_without_its_packed_weights():
         torch.testing.assert_close(clone(x), module(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (1, 1, 64), (1, 2, 64)])
-def test_zero_padded_calls_give_the_same_bits_and_shape(monkeypatch, shape):
-    """Calls with too few rows run padded to a faster row count; the real rows are unchanged."""
-    from codraft.models import linear
-
-    torch.manual_seed(0)
-    layer = Linear(64, 96, bias=True)
-    pack_linears(layer)
-    x = torch.randn(shape)
-    with torch.no_grad():
-        monkeypatch.setattr(linear, "_row_padding", {})
-        plain = layer(x)
-        monkeypatch.setattr(linear, "_row_padding", {1: 4, 2: 4})
-        padded = layer(x)
-    assert padded.shape == plain.shape == (*shape[:-1], 96)
-    torch.testing.assert_close(padded, plain, rtol=0, atol=0)
-
-
-def test_row_padding_only_pads_up_to_a_bounded_row_count():
-    from codraft.models.linear import row_padding
-
-    padding = row_padding()
-    assert all(1 <= rows < padded <= 8 for rows, padded in padding.items())
-
-
 @pytest.mark.parametrize("shape", [(17, 64), (3, 25, 64), (300, 64), (1953, 64)])
 def test_calls_padded_to_a_bucket_give_the_same_bits_and_shape(monkeypatch, shape):
     """Row counts above 8 run zero-padded to one of eight counts per doubling."""
@@ -125,6 +100,7 @@ def test_row_counts_run_are_few_and_padding_is_bounded():
     from codraft.models.linear import run_rows
 
     assert len({run_rows(rows) for rows in range(1, 257)}) <= 48
+    assert all(run_rows(rows) == rows for rows in range(1, 9))
     assert all(rows <= run_rows(rows) < rows * 9 / 8 for rows in range(9, 5000))
 
 
