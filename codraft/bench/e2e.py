@@ -228,6 +228,11 @@ def finite(xs: list[float]) -> list[float]:
     return [x for x in xs if x == x]
 
 
+def known(x: float) -> float | None:
+    """None for a figure a run has none of (the baseline's acceptance), so the JSON round-trips equal."""
+    return None if x != x else x
+
+
 def mean_se(xs: list[float]) -> tuple[float, float]:
     """Mean and standard error of the finite values (nan where there are too few)."""
     xs = finite(xs)
@@ -270,6 +275,10 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "timed_steps": len(steps),
             "tau_first": window_mean(rows, "spec/acceptance_length", last=False),
             "tau_last": window_mean(rows, "spec/acceptance_length", last=True),
+            # tau moves with the controller's k; the first draft position's acceptance does not
+            "accept1_first": known(window_mean(rows, "spec/accept_rate_pos_0", last=False)),
+            "accept1_last": known(window_mean(rows, "spec/accept_rate_pos_0", last=True)),
+            "mean_k": known(mean_se([r.get("spec/mean_k", math.nan) for r in rows])[0]),
             "rollout_share": rollout / step if step else math.nan,
             "rollout_speedup": base_rollout / rollout if rollout else math.nan,
             "e2e_speedup": base_step / step if step else math.nan,
@@ -288,12 +297,15 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
 
 
 def table(summary: list[dict], cfg: Config) -> str:
-    header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", "rollout share", "rollout speedup",
-              "e2e speedup", "response tokens vs baseline", "rollout tokens/s vs baseline",
-              f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE", "train/inference KL", "drift (last)"]
+    header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", f"accept pos 1 first / last {WINDOW}",
+              "mean k", "rollout share", "rollout speedup", "e2e speedup", "response tokens vs baseline",
+              "rollout tokens/s vs baseline", f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE",
+              "train/inference KL", "drift (last)"]
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
-    rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"], s["rollout_share"], s["rollout_speedup"],
-             s["e2e_speedup"], s["tokens_vs_baseline"], s["rollout_tokens_per_s_vs_baseline"],
+    rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"],
+             "n/a" if s["accept1_first"] is None else f"{s['accept1_first']:.3g} / {s['accept1_last']:.3g}",
+             "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
+             s["rollout_speedup"], s["e2e_speedup"], s["tokens_vs_baseline"], s["rollout_tokens_per_s_vs_baseline"],
              f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
              yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]
     rl, task = cfg.rl, cfg.task
@@ -306,7 +318,9 @@ def table(summary: list[dict], cfg: Config) -> str:
         "Every figure is measured in these runs (no estimate): speedups are the baseline's total wall-clock seconds "
         f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "
         f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
-        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps. Sampled "
+        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps, which moves "
+        "with the controller's k (mean k: per verify step, over the run); accept pos 1 = the share of first draft "
+        "tokens accepted, a measure of the draft alone, per-step means over the same steps. Sampled "
         "runs part ways, so their answers' lengths differ: response tokens vs baseline is the run's total over the "
         "baseline's on those steps, rollout tokens/s vs baseline the ratio of response tokens per rollout second.",
         f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",

@@ -55,6 +55,17 @@ def test_tau_windows_are_the_first_and_last_ten_steps():
     assert s["tau_first"] == pytest.approx(5.5) and s["tau_last"] == pytest.approx(20.5)
 
 
+def test_first_position_acceptance_and_mean_k_are_summarised_beside_tau():
+    """tau moves with the controller's k; the first draft position's acceptance is the draft's alone."""
+    rows = records(25, **{"spec/mean_k": 2.0})
+    for i, r in enumerate(rows):
+        r["spec/accept_rate_pos_0"] = 0.5 if i < 10 else 0.7
+    rows[0]["spec/accept_rate_pos_0"] = float("nan")  # a step without speculation has no rate
+    s = by_run(e2e.summarize({"baseline": records(25), "eagle3": rows}))["eagle3"]
+    assert s["accept1_first"] == pytest.approx(0.5) and s["accept1_last"] == pytest.approx(0.7)
+    assert s["mean_k"] == pytest.approx(2.0)
+
+
 def test_reward_is_compared_within_two_combined_standard_errors():
     wobble = lambda mean: lambda i: mean + (0.1 if i % 2 else -0.1)  # noqa: E731
     history = {"baseline": records(20, reward=wobble(0.5)), "same": records(20, reward=wobble(0.52)),
@@ -81,9 +92,11 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert saved["workload"]["task"]["kind"] == "chain" and saved["reward_test"] == e2e.REWARD_TEST
     md = (tmp_path / "e2e.md").read_text()
     header, _, baseline, dspark = md.splitlines()[:4]
-    assert header.startswith("| run | steps | tau first 10 | tau last 10 | rollout share | rollout speedup |")
-    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.143 | 2 | 1.14 | 1 | 2 | 0.500 ± 0.000 | 0 | yes |")
-    assert baseline.split(" | ")[11] == "n/a"  # the baseline is the reference of the reward test
+    assert header.startswith("| run | steps | tau first 10 | tau last 10 | accept pos 1 first / last 10 | mean k | "
+                             "rollout share | rollout speedup |")
+    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | n/a | n/a | 0.143 | 2 | 1.14 | 1 | 2 | 0.500 ± 0.000 | 0 "
+                             "| yes |")  # no acceptance per position or k in these records: n/a
+    assert baseline.split(" | ")[13] == "n/a"  # the baseline is the reference of the reward test
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
     assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
