@@ -303,7 +303,7 @@ def table(summary: list[dict], cfg: Config) -> str:
               "train/inference KL", "drift (last)"]
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
     rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"],
-             "n/a" if s["accept1_first"] is None else f"{s['accept1_first']:.3g} / {s['accept1_last']:.3g}",
+             " / ".join("n/a" if s[k] is None else f"{s[k]:.3g}" for k in ("accept1_first", "accept1_last")),
              "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
              s["rollout_speedup"], s["e2e_speedup"], s["tokens_vs_baseline"], s["rollout_tokens_per_s_vs_baseline"],
              f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
@@ -319,8 +319,9 @@ def table(summary: list[dict], cfg: Config) -> str:
         f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "
         f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
         f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps, which moves "
-        "with the controller's k (mean k: per verify step, over the run); accept pos 1 = the share of first draft "
-        "tokens accepted, a measure of the draft alone, per-step means over the same steps. Sampled "
+        "with the controller's k (mean k: its mean per verify forward in each step, averaged over the run's "
+        "steps); accept pos 1 = the share of first draft tokens accepted, a measure of the draft alone, per-step "
+        "means over the same steps. Sampled "
         "runs part ways, so their answers' lengths differ: response tokens vs baseline is the run's total over the "
         "baseline's on those steps, rollout tokens/s vs baseline the ratio of response tokens per rollout second.",
         f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",

@@ -1,8 +1,10 @@
-"""What the caches of distill/ key on: a cheap fingerprint of a model's weights and a file's sha256."""
+"""What the caches of distill/ key on: a cheap fingerprint of a model's weights, a file's sha256, and the short
+digest of a key that names a cache entry."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -28,3 +30,8 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def key_digest(key: dict) -> str:
+    """16 hex digits naming the cache entry of `key` (plain JSON), the same for equal keys in any order."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from codraft.config import DraftTrainConfig
-from codraft.distill.fingerprint import weights_fingerprint
+from codraft.distill.fingerprint import key_digest, weights_fingerprint
 from codraft.models import Transformer
 from codraft.models.loading import cache_root
 from codraft.observability import progress
@@ -59,8 +59,7 @@ def responses_key(policy: Transformer, prompts: list[list[int]], dt: DraftTrainC
 
 
 def cache_file(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "responses" / f"{digest}.json"
+    return cache_root() / "responses" / f"{key_digest(key)}.json"
 
 
 def read_cached(path: Path, key: dict, count: int) -> tuple[list[list[int]] | None, str]:
@@ -109,5 +108,8 @@ def policy_responses(policy: Transformer, prompts: list[list[int]], dt: DraftTra
     if why:
         log.warning("cached responses %s not used: %s; generating them again", path, why)
     responses = generate_responses(policy, prompts, dt, seed)
-    write_cached(path, key, responses)
+    try:
+        write_cached(path, key, responses)
+    except OSError as e:  # a full disk or read-only cache costs the next run a generation, not this one its answers
+        log.warning("could not cache the policy's responses in %s (%s); the next run generates them again", path, e)
     return responses

@@ -2,9 +2,10 @@
 
 The cache entry of a run is `$CODRAFT_CACHE/drafts/<family>-<model>-<key>/` (default `~/.cache/codraft`),
 where key is a hash of `cache_key`: the policy (model.path, model.dtype, its ModelArgs and a fingerprint of
-its weights), draft.*, task.* (and a JSONL dataset's bytes; not task.reward, which distillation never reads),
-draft_train.* and run.seed. An entry is an exported draft (drafts/export.py) plus `cache.json`, written last:
-the key it was made for and the sha256 of each file.
+its weights), draft.*, task.* (and a JSONL dataset's bytes), draft_train.* and run.seed, less the settings the
+distilled weights do not depend on (`UNUSED`: task.reward, the draft's rollout dtype, draft-train's eval, export
+and response-cache settings), so changing one of those does not distil again. An entry is an exported draft
+(drafts/export.py) plus `cache.json`, written last: the key it was made for and the sha256 of each file.
 
 A hit is an entry whose cache.json holds this run's key, whose files still have their recorded hashes, and
 whose draft loads for this policy and is of draft.family. Anything short of that (no entry, no or unreadable
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 
 from codraft.config import Config
 from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
-from codraft.distill.fingerprint import file_sha256, weights_fingerprint
+from codraft.distill.fingerprint import file_sha256, key_digest, weights_fingerprint
 from codraft.drafts.base import DraftModel
 from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, export_draft, load_draft
 from codraft.models import Tokenizer, Transformer
@@ -49,28 +49,40 @@ MARKER = "cache.json"
 NO_ENTRY = "no cached draft"  # the one reason for distilling that is not worth a warning
 
 
+# settings a warm start's distilled weights do not depend on: it runs no eval and exports once, the draft's
+# rollout dtype applies when it is loaded, and the reward is never read
+UNUSED = {
+    "task": ("reward",),
+    "draft": ("inference_dtype",),
+    "draft_train": ("held_out_prompts", "eval_k", "eval_max_new_tokens", "save_every", "cache_responses"),
+}
+
+
+def used_settings(section: str, settings) -> dict:
+    return {k: v for k, v in dataclasses.asdict(settings).items() if k not in UNUSED[section]}
+
+
 def cache_key(cfg: Config, policy: Transformer) -> dict:
     """Everything the distilled draft depends on, as plain JSON."""
     path = Path(cfg.model.path).expanduser()
     model_path = str(path.resolve()) if path.exists() else cfg.model.path  # a file or dir by place, a preset by name
-    task = dataclasses.asdict(cfg.task)
-    del task["reward"]
+    task = used_settings("task", cfg.task)
     if cfg.task.kind == "jsonl":
         task["data_sha256"] = file_sha256(Path(cfg.task.path))
     key = {
         "format": CACHE_FORMAT,
         "policy": {"path": model_path, "dtype": cfg.model.dtype, "args": dataclasses.asdict(policy.args),
                    "weights": weights_fingerprint(policy)},
-        "draft": dataclasses.asdict(cfg.draft),
+        "draft": used_settings("draft", cfg.draft),
         "task": task,
-        "draft_train": dataclasses.asdict(cfg.draft_train),
+        "draft_train": used_settings("draft_train", cfg.draft_train),
         "seed": cfg.run.seed,
     }
     return json.loads(json.dumps(key))  # as cache.json holds it (tuples become lists)
 
 
 def entry_dir(cfg: Config, key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = key_digest(key)
     model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(cfg.model.path).name) or "model"
     return cache_root() / "drafts" / f"{cfg.draft.family}-{model}-{digest}"
 

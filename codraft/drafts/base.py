@@ -23,7 +23,7 @@ from codraft.drafts.layers import TapFusion
 from codraft.drafts.shard import TokenShard
 from codraft.models import KVCache, ModelArgs, Transformer
 from codraft.models.cache_attention import CacheMask
-from codraft.models.cache_attention import cache_attention as attention_over_cache
+from codraft.models.cache_attention import cache_attention as attend_cache
 from codraft.models.linear import packed_dtype
 from codraft.models.model import packed_positions
 from codraft.rollout.drafter import Drafter, Proposal
@@ -223,12 +223,16 @@ def write_cache(cache: KVCache, layer: int, positions: torch.Tensor, k: torch.Te
     cache.k[layer][b, :, p], cache.v[layer][b, :, p] = k[b, j], v[b, j]
 
 
-def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Inference attention over a draft's keys: q [B, S, H, D], keys/values [B, Hkv, L, D] (cached and/or
-    fresh), visible [B, S or 1, L] bool -> [B, S, H, D]."""
-    B, S, H, _ = q.shape
-    mask = CacheMask(visible, S, H, keys.shape[1], q.dtype)
-    return attention_over_cache(q.transpose(1, 2), keys, values, mask).transpose(1, 2)
+def draft_cache_mask(visible: torch.Tensor, num_queries: int, args: ModelArgs, dtype: torch.dtype) -> CacheMask:
+    """The mask of a draft's inference attention over its cache, built once per forward and read by every
+    layer: visible [B, S or 1, L] bool."""
+    return CacheMask(visible, num_queries, args.num_heads, args.num_kv_heads, dtype)
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: CacheMask) -> torch.Tensor:
+    """Inference attention over a draft's keys in its [B, S, H, D] layout: keys/values [B, Hkv, L, D] (cached
+    and/or fresh) -> [B, S, H, D]."""
+    return attend_cache(q.transpose(1, 2), keys, values, mask).transpose(1, 2)
 
 
 @dataclass
@@ -305,11 +309,15 @@ class LearnedDrafter(Drafter):
 
     def __init__(self, draft: DraftModel, max_backlog: int = 16):
         self.draft = self.model = draft
-        self.model_dtype = draft.inference_dtype
         self.max_backlog = max_backlog  # fresh tokens a proposal absorbs at most, after the prompt (skip_stale)
         self.tap_layers = draft.tap_layers
         self.state: DraftState | None = None
         self.params = SamplingParams()
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """Read at each rollout's packing, so it follows the draft's `inference_dtype` as it is then."""
+        return self.draft.inference_dtype
 
     @torch.no_grad()
     def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams,

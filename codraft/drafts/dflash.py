@@ -72,7 +72,15 @@ from torch import nn
 from codraft.attention import Branches
 from codraft.config import DraftConfig
 from codraft.drafts.anchors import sample_anchors
-from codraft.drafts.base import DraftBatch, DraftModel, DraftState, LearnedDrafter, cache_attention, write_cache
+from codraft.drafts.base import (
+    DraftBatch,
+    DraftModel,
+    DraftState,
+    LearnedDrafter,
+    cache_attention,
+    draft_cache_mask,
+    write_cache,
+)
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
@@ -123,7 +131,7 @@ class BlockLayer(DraftLayer):
     """A Qwen3 decoder layer whose attention the draft runs: input norm + DraftLayer."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, args.hidden_size)
+        super().__init__(args, args.hidden_size, context_kv=True)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -328,11 +336,12 @@ class DFlashDraft(DraftModel):
         B, L, b = n.numel(), int(n.max()), self.block_size
         context_visible = (torch.arange(L, device=n.device)[None] < n[:, None]) & ~state.holes[:, :L]  # [B, L]
         visible = torch.cat([context_visible, n.new_ones(B, b, dtype=torch.bool)], 1)  # [B, L + b]
+        mask = draft_cache_mask(visible[:, None], b, self.layer_args, state.cache.k.dtype)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys = torch.cat([state.cache.k[i, :, :, :L], k.transpose(1, 2)], dim=2)  # [B, Hkv, L + b, D]
             values = torch.cat([state.cache.v[i, :, :, :L], v.transpose(1, 2)], dim=2)
-            return cache_attention(q, keys, values, visible[:, None])
+            return cache_attention(q, keys, values, mask)
 
         positions = n[:, None] + torch.arange(b, device=n.device)
         width = min(k, b - 1)

@@ -36,7 +36,10 @@ class TapFusion(nn.Module):
 
 
 class Projections(nn.Module):
-    def __init__(self, args: ModelArgs, in_features: int):
+    """q/k/v/o projections (and q/k norms) of a draft layer; `context_kv`: also a keys-and-values-only matmul
+    (`kv`), for DFlash's context, which is attended to but asks nothing."""
+
+    def __init__(self, args: ModelArgs, in_features: int, context_kv: bool = False):
         super().__init__()
         d = args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
@@ -47,7 +50,7 @@ class Projections(nn.Module):
         self.q_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(d, args.rms_norm_eps) if args.qk_norm else None
         self.qkv_group = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
-        self.kv_group = FusedLinears(self.k_proj, self.v_proj)  # DFlash's context: keys and values only
+        self.kv_group = FusedLinears(self.k_proj, self.v_proj) if context_kv else None
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [..., S, in] -> q [..., S, H, D], k, v [..., S, Hkv, D], rotary applied to q and k."""
@@ -58,6 +61,7 @@ class Projections(nn.Module):
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., S, in] -> k, v [..., S, Hkv, D], rotary applied to k."""
+        assert self.kv_group is not None, "built without context_kv"
         return self._kv(*self.kv_group(x), cos, sin)
 
     def _kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -70,9 +74,9 @@ class Projections(nn.Module):
 class DraftLayer(nn.Module):
     """Attention weights + SwiGLU MLP; `finish` is everything after attention."""
 
-    def __init__(self, args: ModelArgs, attn_in_features: int):
+    def __init__(self, args: ModelArgs, attn_in_features: int, context_kv: bool = False):
         super().__init__()
-        self.self_attn = Projections(args, attn_in_features)
+        self.self_attn = Projections(args, attn_in_features, context_kv)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = FeedForward(args)
 

@@ -4,8 +4,9 @@ Those steps bring 1-16 queries per row. PyTorch's CPU flash kernel splits its wo
 block), so with a handful of queries most of its time is overhead: for SmolLM2's heads (9 query heads over 3
 KV heads, 150 keys) it took 2-3x as long at 8-32 rows and 2-8 queries as putting the query heads that share a
 KV head into one matrix and running two batched matmuls (measured on this project's 2-core CPU; equal at one
-row and one query). Longer query blocks (prefill: 26 ms against 12.5 ms at 32 x 100 queries) and other devices
-stay on SDPA.
+row and one query). Longer query blocks (prefill: 26 ms against 12.5 ms at 32 x 100 queries), other devices
+and other dtypes stay on SDPA: the grouped matmuls would take bf16/fp16 scores and softmax in that dtype, where
+SDPA accumulates in fp32.
 
 The mask is built once per forward and serves every layer: an additive bias in the grouped layout, or the
 boolean mask SDPA takes.
@@ -28,7 +29,8 @@ class CacheMask:
 
     def __init__(self, visible: torch.Tensor, num_queries: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
         B, _, L = visible.shape
-        self.grouped = num_queries <= MAX_GROUPED_QUERIES and visible.device.type == "cpu"
+        self.grouped = (num_queries <= MAX_GROUPED_QUERIES and visible.device.type == "cpu"
+                        and dtype == torch.float32)
         self.visible = visible[:, None]  # [B, 1, S|1, L] for SDPA
         self.bias = None
         if self.grouped:  # [B * Hkv, G * S, L]: row (g, s) of KV head j is query head j * G + g at query s

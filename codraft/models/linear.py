@@ -7,8 +7,8 @@ into its blocked layout reads the weight once at any small row count (measured
 on SmolLM2-135M's 211 matmuls: 1 row 45 -> 25 ms, 4 rows 61 -> 28 ms, 32 rows
 108 -> 55 ms), and its rows do not depend on how many rows share the call.
 
-`pack_linears(module)` makes the copies (one per Linear, the weight's version and
-address recorded); a Linear uses its copy only while autograd is off and the
+`pack_linears(module)` makes the copies (one per Linear or FusedLinears group, the
+weights' versions and addresses recorded); a Linear uses its copy only while autograd is off and the
 weight is unchanged, so training forwards and gradients never see it, and an
 optimizer step (in place, so it bumps the version) or a `.to()` makes the copy
 stale until the next pack.
@@ -132,13 +132,7 @@ class Linear(nn.Linear):
     def pack(self, force: bool = False, dtype: torch.dtype | None = None) -> bool:
         """(Re)pack a stale or missing copy, in `dtype` (default: the weight's); False where this weight cannot
         be packed."""
-        if not _packable(self.weight):
-            self.packed = None
-            return False
-        key = (self._key(), dtype or self.weight.dtype)
-        if force or self.packed is None or self.packed.key != key:
-            self.packed = _pack([self.weight], [self.bias], dtype, key)
-        return True
+        return _refresh(self, [self.weight], [self.bias], (self._key(),), force, dtype)
 
 
 class FusedLinears:
@@ -170,14 +164,21 @@ class FusedLinears:
         return {"linears": self.linears, "sizes": self.sizes}
 
     def pack(self, force: bool = False, dtype: torch.dtype | None = None) -> bool:
-        weights = [m.weight for m in self.linears]
-        if not all(_packable(w) for w in weights):
-            self.packed = None
-            return False
-        key = (*self._key(), dtype or weights[0].dtype)
-        if force or self.packed is None or self.packed.key != key:
-            self.packed = _pack(weights, [m.bias for m in self.linears], dtype, key)
-        return True
+        return _refresh(self, [m.weight for m in self.linears], [m.bias for m in self.linears], self._key(), force,
+                        dtype)
+
+
+def _refresh(owner: Linear | FusedLinears, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+             source_key: tuple, force: bool, dtype: torch.dtype | None) -> bool:
+    """Give `owner` a current packed copy of `weights` in `dtype` (default: theirs), made anew only when missing,
+    stale or of another dtype; False (and no copy) where they cannot be packed."""
+    if not all(_packable(w) for w in weights):
+        owner.packed = None
+        return False
+    key = (*source_key, dtype or weights[0].dtype)
+    if force or owner.packed is None or owner.packed.key != key:
+        owner.packed = _pack(weights, biases, dtype, key)
+    return True
 
 
 def run_rows(rows: int) -> int:

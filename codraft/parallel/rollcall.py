@@ -71,8 +71,8 @@ class RollCall:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        # the roll call's sends, never awaited (a frozen peer never receives) but kept: gloo drops a send whose
-        # work object is freed, and a rank that calls the roll later than the others would hear nobody
+        # the roll call's sends, awaited only until the deadline (a frozen peer never receives) and kept: gloo
+        # drops a send whose work object is freed, and a rank that calls the roll later would hear nobody
         self._sent: list[dist.Work] = []
 
     def silent_ranks(self) -> list[int]:

@@ -64,3 +64,17 @@ def test_a_damaged_or_foreign_file_is_regenerated_with_one_warning(cache, caplog
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "generating them again" in warnings[0].getMessage()
     assert responses.policy_responses(policy, PROMPTS, dt, seed=0) == first and len(cache) == 2  # rewritten
+
+
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_answers(cache, caplog, monkeypatch):
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(responses, "write_cached", full_disk)
+    policy = tiny_policy(dtype=torch.float32)
+    dt = DraftTrainConfig(max_new_tokens=6, generate_batch_size=2)
+    with caplog.at_level(logging.WARNING):
+        answers = responses.policy_responses(policy, PROMPTS, dt, seed=0)
+    assert len(answers) == len(PROMPTS) and len(cache) == 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "could not cache" in warning and "No space left" in warning

@@ -144,6 +144,14 @@ def test_a_cached_draft_of_other_shapes_or_family_is_not_used(distillations, cap
     assert distillations == ["eagle3", "eagle3"]
 
 
+def test_settings_the_distilled_weights_do_not_read_share_an_entry():
+    cfg, policy, _ = setup()
+    same = setup("draft.inference_dtype=float32", "task.reward=final_answer", "draft_train.eval_k=3",
+                 "draft_train.held_out_prompts=5", "draft_train.cache_responses=false")[0]
+    other = setup("draft_train.matmul_dtype=float32")[0]
+    assert entry_of(same, policy) == entry_of(cfg, policy) != entry_of(other, policy)
+
+
 def test_an_entry_made_for_another_key_is_not_used(distillations, caplog):
     cfg, policy, tokenizer = setup()
     key, entry = warm_start.cache_key(cfg, policy), entry_of(cfg, policy)

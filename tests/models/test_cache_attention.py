@@ -34,8 +34,11 @@ def test_grouped_attention_matches_sdpa(B, S, heads, broadcast):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_long_query_blocks_stay_on_sdpa():
-    """Prefill: the grouped bias would be [B * Hkv, G * S, L], and SDPA measured faster there."""
+def test_long_query_blocks_and_half_precision_stay_on_sdpa():
+    """Prefill: the grouped bias would be [B * Hkv, G * S, L], and SDPA measured faster there. bf16/fp16: the
+    grouped matmuls would softmax scores rounded to that dtype, where SDPA accumulates in fp32."""
     visible = torch.ones(2, MAX_GROUPED_QUERIES + 1, 30, dtype=torch.bool)
     mask = CacheMask(visible, MAX_GROUPED_QUERIES + 1, 4, 2, torch.float32)
     assert not mask.grouped and mask.bias is None
+    for dtype in (torch.bfloat16, torch.float16):
+        assert not CacheMask(visible[:, :2], 2, 4, 2, dtype).grouped
