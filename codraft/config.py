@@ -143,7 +143,7 @@ class DraftConfig:
     draft_vocab_size: int = 8192  # most frequent tokens (0 = all): EAGLE-3's head, DFlash/DSpark's drafted ones
     head_from_policy: bool = False  # a fresh draft's norm + head start as the policy's (its draft-vocab rows)
     # the dtype of the draft's matmuls in rollouts on CPU (its weights and training stay in model.dtype): auto =
-    # bfloat16 where oneDNN has bf16 kernels (AVX-512 BF16 / AMX: half the bytes, ~0.7x the draft's time)
+    # bfloat16 where the CPU has bf16 arithmetic (AVX-512 BF16 / AMX: half the bytes, ~0.7x the draft's time)
     inference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # DFlash / DSpark
     num_layers: int = 2
@@ -348,7 +348,7 @@ class DraftTrainConfig:
     # the generation settings: other families, warm starts and ablations on them skip the generation
     cache_responses: bool = True
     # the dtype of the draft's matmuls in distillation (autocast; weights, optimizer state, losses and attention
-    # stay fp32): auto = bfloat16 where the device has bf16 kernels (a chain-task step 0.69x, loss equal to 1e-4)
+    # stay fp32): auto = bfloat16 where the device has bf16 arithmetic (a chain-task step 0.69x, loss equal to 1e-4)
     matmul_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     save_every: int = 0  # steps between exported drafts; 0 = only at the end
     eval_k: int = 7  # speculative tokens in the eval (EAGLE-3; DFlash/DSpark use draft.block_size - 1)

@@ -121,7 +121,7 @@ class Distiller:
 
     def autocast(self) -> torch.autocast:
         """bf16 matmuls for the draft's forward under `draft_train.matmul_dtype` (auto: where the device has
-        bf16 kernels, oneDNN's on CPU)."""
+        bf16 arithmetic: a CUDA device that supports it, a CPU with AVX-512 BF16 or AMX)."""
         weight = self.draft.fusion.fc.weight
         setting = self.dt.matmul_dtype
         if setting == "auto":

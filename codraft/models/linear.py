@@ -54,12 +54,17 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def native_bf16() -> bool:
+    """The CPU has bf16 arithmetic (AVX-512 BF16 or AMX). oneDNN also runs bf16 on any AVX-512 core
+    (`_is_mkldnn_bf16_supported`), but by emulation, where it is slower than fp32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def packed_dtype(setting: str, weights: torch.dtype) -> torch.dtype:
     """The dtype of packed copies for a setting "auto" | "float32" | "bfloat16": auto is bfloat16 where oneDNN
-    runs it (else the weights' own dtype)."""
+    runs it on native bf16 arithmetic (else the weights' own dtype)."""
     if setting == "auto":
-        bf16 = packing_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return torch.bfloat16 if bf16 else weights
+        return torch.bfloat16 if packing_available() and native_bf16() else weights
     return getattr(torch, setting)
 
 

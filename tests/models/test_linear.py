@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codraft.models.linear import Linear, pack_linears, packing_available, unpack_linears
+from codraft.models import linear
+from codraft.models.linear import Linear, pack_linears, packed_dtype, packing_available, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
 
@@ -178,3 +179,14 @@ def test_bf16_copies_of_fp32_weights_hand_back_fp32_close_to_the_fp32_result():
         torch.testing.assert_close(out, F.linear(x, module.a.weight, module.a.bias), rtol=2e-2, atol=2e-2)
         pack_linears(module)  # asking for the weights' own dtype repacks
         assert module.abc.packed.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_only_on_native_bf16_arithmetic(monkeypatch, native):
+    """oneDNN runs bf16 on any AVX-512 core, by emulation where the CPU has no bf16 instructions: slower than
+    fp32, so auto keeps the weights' dtype there."""
+    monkeypatch.setattr(linear, "native_bf16", lambda: native)
+    auto = packed_dtype("auto", torch.float32)
+    assert auto == (torch.bfloat16 if native and packing_available() else torch.float32)
+    assert packed_dtype("float32", torch.float32) == torch.float32
+    assert packed_dtype("bfloat16", torch.float32) == torch.bfloat16
