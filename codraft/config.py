@@ -39,8 +39,8 @@ class RunConfig:
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     tensorboard: bool = True
     # keep: freed host memory stays in the process for reuse, so a step's large tensors do not fault their pages
-    # in anew; release: handed back to the OS after each train step, resident memory is what is in use
-    # (host_memory.py)
+    # in anew; release: handed back to the OS after each train or draft-train step (a distillation's steps, of
+    # varying shapes, grew a kept heap 30-40 MB a step), resident memory is what is in use (host_memory.py)
     host_memory: Literal["keep", "release"] = "keep"
 
 

@@ -9,9 +9,9 @@ SmolLM2 frees and re-allocates dozens of [tokens, vocab] tensors (~200 MiB each 
 cut training time to 0.71x in `codraft train` (README, "Host memory"). Kept, the process's resident memory is
 its high-water mark.
 
-`run.host_memory=release` (`release_free_memory()` after each step): malloc_trim(0) gives free pages back,
-also from inside the heap, so resident memory is what the process uses at the step's end, at the price of
-faulting them in again next step. Other C libraries: both are no-ops.
+`run.host_memory=release` (`release_free_memory()` after each train or draft-train step): malloc_trim(0) gives
+free pages back, also from inside the heap, so resident memory is what the process uses at the step's end, at
+the price of faulting them in again next step. Other C libraries: both are no-ops.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,18 @@ def release_free_memory() -> None:
     """Hand the heap's free pages back to the OS (glibc); nothing elsewhere."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def step_end(setting: str) -> dict[str, float]:
+    """After a train or distillation step: under `run.host_memory=release` hand the step's freed memory back
+    (timed apart from the step); this process's resident memory either way."""
+    out = {}
+    if setting == "release":
+        t = time.perf_counter()
+        release_free_memory()
+        out["time/release_memory_s"] = time.perf_counter() - t
+    out["memory/rss_mib"] = rss_mib() or float("nan")
+    return out
 
 
 def rss_mib(pid: int | str = "self") -> float | None:

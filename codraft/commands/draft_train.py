@@ -14,6 +14,7 @@ from codraft.config import DRAFT_FAMILIES, Config, ConfigError
 from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
 from codraft.drafts.evaluate import acceptance_metrics, eval_k, measure_acceptance
 from codraft.drafts.export import export_draft
+from codraft.host_memory import step_end
 from codraft.models import load_policy
 from codraft.observability import MetricsLogger, prepare_run_dir, progress
 
@@ -32,7 +33,7 @@ def main(cfg: Config) -> int:
     with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) as metrics:
         bar = progress(range(1, dt.steps + 1), desc=f"draft-train {cfg.draft.family}")
         for step in bar:
-            step_metrics = distiller.step()
+            step_metrics = distiller.step() | step_end(cfg.run.host_memory)
             metrics.log(step, step_metrics)
             live = {"loss": step_metrics["loss/draft"], "acc": live_accuracy(step_metrics)}
             bar.set_postfix({name: f"{v:.3f}" for name, v in live.items()})

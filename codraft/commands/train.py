@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from contextlib import nullcontext
 
 from codraft.config import Config
-from codraft.host_memory import release_free_memory, rss_mib
+from codraft.host_memory import step_end
 from codraft.interrupt import StopOnSignal
 from codraft.models import policy_args
 from codraft.observability import MetricsLogger, progress
@@ -50,12 +49,9 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     with StopOnSignal() as stop, logger as metrics:
         bar = progress(range(trainer.step, cfg.rl.steps), desc="train")
         for _ in bar:
-            step_metrics = trainer.train_step()
-            if cfg.run.host_memory == "release":  # the step's freed tensors back to the OS
-                t_release = time.perf_counter()
-                release_free_memory()
-                step_metrics["time/release_memory_s"] = time.perf_counter() - t_release  # outside time/step_s
-            step_metrics["memory/rss_mib"] = rss_mib() or float("nan")  # this rank's (the writer's, in the file)
+            # this rank's resident memory (the writer's, in the file); under release, the step's freed tensors
+            # go back to the OS, timed outside time/step_s
+            step_metrics = trainer.train_step() | step_end(cfg.run.host_memory)
             if writer:
                 metrics.log(trainer.step, step_metrics)
             (head if len(head) < SUMMARY_STEPS else tail).append(step_metrics)

@@ -38,6 +38,7 @@ from codraft.distill.distill import live_accuracy, split_prompts, start_distilla
 from codraft.distill.fingerprint import file_sha256, key_digest, weights_fingerprint
 from codraft.drafts.base import DraftModel
 from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, export_draft, load_draft
+from codraft.host_memory import step_end
 from codraft.models import Tokenizer, Transformer
 from codraft.models.loading import cache_root
 from codraft.observability import progress
@@ -137,6 +138,7 @@ def distil(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> DraftModel
         bar = progress(range(dt.steps), desc=f"warm-start {cfg.draft.family} draft")
         for _ in bar:
             metrics = distiller.step()
+            step_end(cfg.run.host_memory)
             bar.set_postfix({"loss": f"{metrics['loss/draft']:.3f}", "acc": f"{live_accuracy(metrics):.3f}"})
     return distiller.draft
 

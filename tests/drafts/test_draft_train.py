@@ -46,6 +46,21 @@ def test_draft_train_lowers_the_loss_and_writes_metrics_draft_and_eval(tmp_path,
         assert len(result[temperature]["accept_rate_per_position"]) <= 7
 
 
+@pytest.mark.parametrize("host_memory", ["keep", "release"])
+def test_draft_train_logs_resident_memory_and_releases_freed_memory_each_step_under_release(tmp_path, monkeypatch,
+                                                                                          host_memory):
+    from codraft import host_memory as hm
+
+    released = []
+    monkeypatch.setattr(hm, "release_free_memory", lambda: released.append(1))
+    args = ["draft-train", *TINY, "draft_train.steps=3", f"run.host_memory={host_memory}", f"run.dir={tmp_path}"]
+    assert main(args) == 0
+    train_rows = read_jsonl(tmp_path / "metrics.jsonl")[:-1]
+    assert all(r["memory/rss_mib"] > 0 for r in train_rows)
+    assert len(released) == (3 if host_memory == "release" else 0)
+    assert all(("time/release_memory_s" in r) == (host_memory == "release") for r in train_rows)
+
+
 def test_draft_train_on_a_jsonl_task(tmp_path):
     data = tmp_path / "task.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"Say {i} twice.", "answer": f"{i} {i}"}) for i in range(30)))
