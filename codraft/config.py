@@ -40,7 +40,7 @@ class RunConfig:
     tensorboard: bool = True
     # keep: freed host memory stays in the process for reuse, so a step's large tensors do not fault their pages
     # in anew; release: handed back to the OS after each train or draft-train step (a distillation's steps, of
-    # varying shapes, grew a kept heap 30-40 MB a step), resident memory is what is in use (host_memory.py)
+    # varying shapes, grew resident memory 30-40 MB a step; 10 under release), resident memory is what is in use
     host_memory: Literal["keep", "release"] = "keep"
 
 
