@@ -7,11 +7,11 @@ into its blocked layout reads the weight once at any small row count (measured
 on SmolLM2-135M's 211 matmuls: 1 row 45 -> 25 ms, 4 rows 61 -> 28 ms, 32 rows
 108 -> 55 ms), and its rows do not depend on how many rows share the call.
 
-`pack_linears(module)` makes the copies (one per Linear or FusedLinears group, the
-weights' versions and addresses recorded); a Linear uses its copy only while autograd is off and the
-weight is unchanged, so training forwards and gradients never see it, and an
-optimizer step (in place, so it bumps the version) or a `.to()` makes the copy
-stale until the next pack.
+`pack_linears(module)` makes the copies (one per Linear or FusedLinears group,
+the weights' versions and addresses recorded); a copy is used only while autograd
+is off and its weights are unchanged, so training forwards and gradients never see
+it, and an optimizer step (in place, so it bumps the version) or a `.to()` makes
+the copy stale until the next pack.
 Writes that bypass the version counter (`dist.broadcast` into `.data`) must
 call `unpack_linears` or `pack_linears(..., force=True)`.
 
@@ -35,6 +35,7 @@ stops growing at the start, but for the few counts of longer prefills.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache  # read at every rollout's packing; the CPU does not change
 def native_bf16() -> bool:
     """The CPU has bf16 arithmetic (AVX-512 BF16 or AMX). oneDNN also runs bf16 on any AVX-512 core
     (`_is_mkldnn_bf16_supported`), but by emulation, where it is slower than fp32."""
