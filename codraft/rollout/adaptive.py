@@ -20,11 +20,22 @@ step in 32 decodes plainly to keep the decode cost it compares against fresh.
 A proposal that first absorbs a backlog (the prompt, or the tokens committed
 while speculation was off) says nothing about the steady per-step draft cost,
 so its time is not learned from.
+
+What the per-step model leaves out is audited once per generate call: the
+call's decode seconds against what plain decoding of the same rows to the same
+lengths costs by the measured decode costs (rows that finish early leave later
+steps with fewer rows, which on a CPU cost nearly as much). The shortfall
+against the savings the model predicted for the call's speculative steps is a
+per-step overhead, kept per batch size: backlog absorbs, the ragged tail of
+rows that speculation moved ahead unevenly, acceptance that fell faster than
+its estimate. At batch 32 on this CPU those made speculative steps that each
+paid by the model lose as a whole call.
 """
 
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 
 class VerifyCostModel:
@@ -90,12 +101,22 @@ class VerifyCostModel:
         return decode * self._ratio(tokens, rows)
 
 
+@dataclass
+class CallAudit:
+    """One generate call's speculative steps: what the model predicted they save, and their decode cost."""
+
+    rows: int  # the call's batch size
+    steps: int = 0  # steps with k > 0
+    predicted_saving_s: float = 0.0  # sum over them of plain seconds for the expected tokens - their seconds
+    decode_s: float = 0.0  # sum over them of a decode step's seconds at their rows (the overhead's unit)
+
+
 class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05,
-                 refresh_every: int = 32):
+                 refresh_every: int = 32, audit_prior_steps: float = 32.0, max_overhead: float = 2.0):
         self.max_k = max_k
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         # each position's estimate averages about the last `memory` row observations, whatever the batch: rows
@@ -114,11 +135,40 @@ class SpeculationController:
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
         self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
+        # batch size -> decode steps of cost per speculative step that the per-step model does not see, learned
+        # from each call's audit; a call's estimate weighs steps / (steps + audit_prior_steps), since one
+        # probe's share of a whole call's timing noise is large
+        self.overhead: dict[int, float] = {}
+        self.audit_prior_steps, self.max_overhead = audit_prior_steps, max_overhead
+        self.call = CallAudit(rows=0)
 
-    def new_batch(self) -> None:
-        """A generate call starts: new prompts (and, in training, an updated draft) may accept differently, so
-        if speculation is off its next step is a probe."""
+    def new_batch(self, rows: int) -> None:
+        """A generate call of `rows` rows starts: new prompts (and, in training, an updated draft) may accept
+        differently, so if speculation is off its next step is a probe."""
         self.steps_off = max(self.steps_off, self.probe_interval - 1)
+        self.call = CallAudit(rows=rows)
+
+    def end_batch(self, decode_steps: list[int], seconds: float) -> None:
+        """The call ended: row i emitted decode_steps[i] tokens after its prefill token, in `seconds` of decoding.
+        Plain decoding would have taken one step per token, with the rows still unfinished at each step."""
+        call = self.call
+        if not call.steps or not self.cost.known():
+            return
+        live = sorted(decode_steps, reverse=True)
+        plain_s = sum(self.cost(sum(1 for n in live if n > t), 1) for t in range(live[0])) if live[0] else 0.0
+        shortfall = (call.predicted_saving_s - (plain_s - seconds)) / call.decode_s  # in decode steps per step
+        weight = call.steps / (call.steps + self.audit_prior_steps)
+        old = self.overhead.get(call.rows, 0.0)
+        self.overhead[call.rows] = min(max(old + weight * shortfall, 0.0), self.max_overhead)
+
+    def step_overhead(self, rows: int) -> float:
+        """Seconds a speculative step at `rows` costs beyond verify + draft (the audits' estimate at the call's
+        batch size, else at the nearest audited one)."""
+        if not self.overhead:
+            return 0.0
+        batch = self.call.rows if self.call.rows in self.overhead else min(
+            self.overhead, key=lambda b: (abs(b - self.call.rows), -b))
+        return self.overhead[batch] * self.cost(rows, 1)
 
     @property
     def accept(self) -> list[float]:
@@ -142,9 +192,11 @@ class SpeculationController:
         near = min(self.draft_s, key=lambda j: abs(j - k))
         return self.draft_s[near] * k / near
 
+    def step_seconds(self, rows: int, k: int) -> float:
+        return self.cost(rows, k + 1) + (self.draft_cost(k) + self.step_overhead(rows) if k else 0.0)
+
     def tokens_per_second(self, rows: int, k: int) -> float:
-        seconds = self.cost(rows, k + 1) + (self.draft_cost(k) if k else 0.0)
-        return rows * self.expected_tokens(k) / seconds
+        return rows * self.expected_tokens(k) / self.step_seconds(rows, k)
 
     def choose(self, rows: int) -> int:
         self.probing = False
@@ -171,6 +223,11 @@ class SpeculationController:
                 draft_s: float | None) -> None:
         """reached[i]/accepted[i]: rows for which draft position i was in play / accepted. draft_s: seconds of
         the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting)."""
+        if k and self.cost.known():  # what the model, as it stands before this step, expects the step to save
+            decode = self.cost(rows, 1)
+            self.call.steps += 1
+            self.call.predicted_saving_s += self.expected_tokens(k) * decode - self.step_seconds(rows, k)
+            self.call.decode_s += decode
         for i in range(min(k, self.max_k)):
             fade = min(1.0, self.memory / (self.trials[i] + reached[i])) if reached[i] else 1.0
             self.hits[i] = fade * (self.hits[i] + accepted[i])

@@ -117,7 +117,7 @@ def test_a_new_batch_probes_a_controller_that_is_off():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=1)
     observe_acceptance(c, 0.0, rows=1, steps=5, k=1)
     assert c.choose(1) == 0
-    c.new_batch()
+    c.new_batch(1)
     assert c.choose(1) == c.probe_k
 
 
@@ -156,3 +156,67 @@ def test_only_a_probe_is_marked_as_probing():
         c.observe(k, [8] + [0] * (k - 1) if k else [], [0] * k, 8, verify_s=0.010 * (1 + 0.1 * k), draft_s=0.001 * k)
     assert any(probing for _, probing in marks)
     assert all(probing == (k > 0) for k, probing in marks[1:]), marks  # once off, every k > 0 is a probe
+
+
+def speculate_one_call(c: SpeculationController, rows: int, steps: int, seconds_per_step: float) -> list[int]:
+    """One generate call of `steps` speculative steps at acceptance 0.8 that, in all, took `seconds_per_step` a
+    step; each row emitted what the controller's acceptance estimate says. Returns the k chosen."""
+    c.new_batch(rows)
+    chosen = []
+    for _ in range(steps):
+        k = c.choose(rows)
+        chosen.append(k)
+        observe_acceptance(c, 0.8, rows=rows, steps=1, k=k) if k else c.observe(0, [], [], rows, c.cost(rows, 1), None)
+    emitted = round(sum(c.expected_tokens(k) for k in chosen))
+    c.end_batch([emitted] * rows, steps * seconds_per_step)
+    return chosen
+
+
+def test_a_call_that_lost_to_plain_decoding_turns_speculation_off_at_its_batch_size():
+    """The per-step model said k > 0 pays, but the call took longer than plain decoding of the same tokens
+    (as a batch-32 call did, with backlog absorbs and a ragged tail the model does not see)."""
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=32)
+    observe_acceptance(c, 0.8, rows=32, steps=10, k=4)
+    assert c.choose(32) > 0
+    for _ in range(4):
+        chosen = speculate_one_call(c, rows=32, steps=20, seconds_per_step=0.05)  # 5 decode steps a step
+    assert c.overhead[32] > 0.5
+    assert chosen[-1] == 0 and c.choose(32) == 0
+
+
+def test_a_call_that_saved_what_the_model_predicted_leaves_no_overhead():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=4)
+    observe_acceptance(c, 0.8, rows=4, steps=10, k=4)
+    c.new_batch(4)
+    seconds, emitted = 0.0, 0.0
+    for _ in range(20):
+        k = c.choose(4)
+        seconds += c.step_seconds(4, k)
+        emitted += c.expected_tokens(k)
+        observe_acceptance(c, 0.8, rows=4, steps=1, k=k) if k else c.observe(0, [], [], 4, c.cost(4, 1), None)
+    c.end_batch([round(emitted)] * 4, seconds)
+    assert c.overhead[4] < 0.1
+    assert c.choose(4) > 0
+
+
+def test_the_overhead_is_kept_per_batch_size():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=32)
+    c.cost.observe(1, 1, 0.01)
+    c.cost.observe(1, 1, 0.01)
+    observe_acceptance(c, 0.8, rows=32, steps=10, k=4)
+    for _ in range(4):
+        speculate_one_call(c, rows=32, steps=20, seconds_per_step=0.05)
+    c.overhead[1] = 0.0  # batch 1's own audits found nothing unmodelled
+    c.new_batch(1)
+    assert c.step_overhead(1) == 0.0 and c.tokens_per_second(1, 4) > 1.5 * c.tokens_per_second(1, 0)
+    c.new_batch(24)  # never audited: the nearest audited batch size's estimate
+    assert c.step_overhead(24) == c.overhead[32] * c.cost(24, 1)
+
+
+def test_a_call_with_no_speculative_step_is_not_audited():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=1.0, rows=8)
+    c.new_batch(8)
+    for _ in range(3):
+        c.observe(0, [], [], 8, 0.01, None)
+    c.end_batch([3] * 8, 1.0)  # slow for other reasons: nothing to blame on speculation
+    assert c.overhead == {}

@@ -145,6 +145,24 @@ def test_adaptive_speculation_keeps_greedy_output():
     assert set(spec.stats.k_chosen) <= set(range(5))
 
 
+def test_the_controller_audits_each_call_with_its_rows_decode_steps_and_seconds():
+    class Recording(SpeculationController):
+        def __init__(self):
+            super().__init__(3)
+            self.ends = []
+
+        def end_batch(self, decode_steps, seconds):
+            self.ends.append((self.call.rows, decode_steps, seconds))
+            super().end_batch(decode_steps, seconds)
+
+    c = Recording()
+    out = generate(model_for_greedy(), PROMPTS, drafter=NgramDrafter(), num_speculative_tokens=3, temperature=0,
+                   max_new_tokens=[5, 9, 12, 3], stop_token_ids=[], adaptive=c)
+    [(rows, decode_steps, seconds)] = c.ends
+    assert rows == len(PROMPTS) and decode_steps == [4, 8, 11, 2] == [len(t) - 1 for t in out.tokens]
+    assert 0 < seconds < out.stats.time_total_s
+
+
 def test_proposals_after_a_plain_step_are_counted_as_backlog():
     """The first proposal of a call absorbs the prompt and one after a plain step the tokens it committed:
     their time is kept apart (prefill-like work), and the controller does not learn the draft's cost from it."""
