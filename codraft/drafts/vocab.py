@@ -80,13 +80,14 @@ class HeadRows:
         self.key: tuple | None = None
         self.linear: Linear | None = None
 
-    @torch.no_grad()
     def __call__(self, weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> Linear:
         """The rows as a Linear packed in `dtype` (default: the weight's)."""
         key = (weight._version, weight.data_ptr(), ids.data_ptr(), dtype)
         if self.linear is None or key != self.key:
-            linear = Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
-            linear.weight = nn.Parameter(weight[ids], requires_grad=False)
-            pack_linears(linear, dtype=dtype)
+            # not an inference tensor, though rollouts run under inference_mode: packing keys on its version
+            with torch.inference_mode(False), torch.no_grad():
+                linear = Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+                linear.weight = nn.Parameter(weight[ids], requires_grad=False)
+                pack_linears(linear, dtype=dtype)
             self.key, self.linear = key, linear
         return self.linear

@@ -22,11 +22,11 @@ while speculation was off) says nothing about the steady per-step draft cost,
 so its time is not learned from.
 
 What the per-step model leaves out is audited once per generate call: the
-call's decode seconds against what plain decoding of the same rows to the same
-lengths costs by the measured decode costs (rows that finish early leave later
-steps with fewer rows, which on a CPU cost nearly as much). The shortfall
-against the savings the model predicted for the call's speculative steps is a
-per-step overhead, kept per batch size: backlog absorbs, the ragged tail of
+seconds of the call's draft and verify steps against what plain decoding of the
+same rows to the same lengths costs by the measured decode costs (rows that
+finish early leave later steps with fewer rows, which on a CPU cost nearly as
+much). The shortfall against the savings the model predicted for the call's
+speculative steps is a per-step overhead, kept per batch size: backlog absorbs, the ragged tail of
 rows that speculation moved ahead unevenly, acceptance that fell faster than
 its estimate. At batch 32 on this CPU those made speculative steps that each
 paid by the model lose as a whole call.
@@ -106,6 +106,7 @@ class CallAudit:
     """One generate call's speculative steps: what the model predicted they save, and their decode cost."""
 
     rows: int  # the call's batch size
+    overhead: float = 0.0  # the estimate its steps were priced with (decode steps per speculative step)
     steps: int = 0  # steps with k > 0
     predicted_saving_s: float = 0.0  # sum over them of plain seconds for the expected tokens - their seconds
     decode_s: float = 0.0  # sum over them of a decode step's seconds at their rows (the overhead's unit)
@@ -146,29 +147,28 @@ class SpeculationController:
         """A generate call of `rows` rows starts: new prompts (and, in training, an updated draft) may accept
         differently, so if speculation is off its next step is a probe."""
         self.steps_off = max(self.steps_off, self.probe_interval - 1)
-        self.call = CallAudit(rows=rows)
+        self.call = CallAudit(rows=rows, overhead=self.overhead.get(rows, 0.0))
 
     def end_batch(self, decode_steps: list[int], seconds: float) -> None:
-        """The call ended: row i emitted decode_steps[i] tokens after its prefill token, in `seconds` of decoding.
-        Plain decoding would have taken one step per token, with the rows still unfinished at each step."""
+        """The call ended: row i emitted decode_steps[i] tokens after its prefill token, and its steps' draft and
+        verify windows (the windows the cost model learns from) took `seconds` in all. Plain decoding would have
+        taken one step per token, with the rows still unfinished at each step."""
         call = self.call
         if not call.steps or not self.cost.known():
             return
         live = sorted(decode_steps, reverse=True)
         plain_s = sum(self.cost(sum(1 for n in live if n > t), 1) for t in range(live[0])) if live[0] else 0.0
-        shortfall = (call.predicted_saving_s - (plain_s - seconds)) / call.decode_s  # in decode steps per step
+        # what the steps lost against their prediction, in decode steps per speculative step: the correction to
+        # the overhead they were priced with
+        correction = (call.predicted_saving_s - (plain_s - seconds)) / call.decode_s
         weight = call.steps / (call.steps + self.audit_prior_steps)
-        old = self.overhead.get(call.rows, 0.0)
-        self.overhead[call.rows] = min(max(old + weight * shortfall, 0.0), self.max_overhead)
+        self.overhead[call.rows] = min(max(call.overhead + weight * correction, 0.0), self.max_overhead)
 
     def step_overhead(self, rows: int) -> float:
-        """Seconds a speculative step at `rows` costs beyond verify + draft (the audits' estimate at the call's
-        batch size, else at the nearest audited one)."""
-        if not self.overhead:
-            return 0.0
-        batch = self.call.rows if self.call.rows in self.overhead else min(
-            self.overhead, key=lambda b: (abs(b - self.call.rows), -b))
-        return self.overhead[batch] * self.cost(rows, 1)
+        """Seconds a speculative step at `rows` costs beyond verify + draft: the estimate for the call's batch size
+        (0 until a call of that size was audited: what a tail of rows costs depends on how many there are) in
+        decode steps at `rows`."""
+        return self.call.overhead * self.cost(rows, 1) if self.call.overhead else 0.0
 
     @property
     def accept(self) -> list[float]:

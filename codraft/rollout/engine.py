@@ -160,8 +160,7 @@ def generate(
     pending, first_logprob = draw(model.logits(out.hidden[torch.arange(B), prompt_lens - 1]), params, generator)
     if drafter is not None:
         drafter.start(prompts, out.taps, params, cache.max_len, generator)
-    decode_start = time.perf_counter()
-    stats.time_prefill_s = decode_start - start
+    stats.time_prefill_s = time.perf_counter() - start
 
     width = most + k_max + 1
     tokens = torch.zeros(B, width, dtype=torch.long, device=device)
@@ -275,7 +274,7 @@ def generate(
     stats.time_total_s = time.perf_counter() - start
     stats.tokens_generated = sum(len(r[0]) for r in results)
     if controller is not None:  # each row's first token came from the prefill
-        controller.end_batch([len(r[0]) - 1 for r in results], time.perf_counter() - decode_start)
+        controller.end_batch([len(r[0]) - 1 for r in results], stats.time_draft_s + stats.time_verify_s)
     return Rollout(
         prompts=[list(p) for p in prompts],
         tokens=[r[0] for r in results],

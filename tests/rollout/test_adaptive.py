@@ -158,17 +158,19 @@ def test_only_a_probe_is_marked_as_probing():
     assert all(probing == (k > 0) for k, probing in marks[1:]), marks  # once off, every k > 0 is a probe
 
 
-def speculate_one_call(c: SpeculationController, rows: int, steps: int, seconds_per_step: float) -> list[int]:
-    """One generate call of `steps` speculative steps at acceptance 0.8 that, in all, took `seconds_per_step` a
-    step; each row emitted what the controller's acceptance estimate says. Returns the k chosen."""
+def audited_call(c: SpeculationController, rows: int, steps: int, seconds: float | None = None) -> list[int]:
+    """One generate call of `steps` steps at acceptance 0.8, each row emitting what the controller's estimate
+    says. It took `seconds` in all, or by default what the controller priced its steps at without any audit
+    overhead (the model's verify + draft seconds). Returns the k chosen."""
     c.new_batch(rows)
-    chosen = []
+    chosen, priced = [], 0.0
     for _ in range(steps):
         k = c.choose(rows)
         chosen.append(k)
+        priced += c.cost(rows, k + 1) + (c.draft_cost(k) if k else 0.0)
         observe_acceptance(c, 0.8, rows=rows, steps=1, k=k) if k else c.observe(0, [], [], rows, c.cost(rows, 1), None)
     emitted = round(sum(c.expected_tokens(k) for k in chosen))
-    c.end_batch([emitted] * rows, steps * seconds_per_step)
+    c.end_batch([emitted] * rows, priced if seconds is None else seconds)
     return chosen
 
 
@@ -179,7 +181,7 @@ def test_a_call_that_lost_to_plain_decoding_turns_speculation_off_at_its_batch_s
     observe_acceptance(c, 0.8, rows=32, steps=10, k=4)
     assert c.choose(32) > 0
     for _ in range(4):
-        chosen = speculate_one_call(c, rows=32, steps=20, seconds_per_step=0.05)  # 5 decode steps a step
+        chosen = audited_call(c, rows=32, steps=20, seconds=20 * 0.05)  # 5 decode steps a step
     assert c.overhead[32] > 0.5
     assert chosen[-1] == 0 and c.choose(32) == 0
 
@@ -187,30 +189,25 @@ def test_a_call_that_lost_to_plain_decoding_turns_speculation_off_at_its_batch_s
 def test_a_call_that_saved_what_the_model_predicted_leaves_no_overhead():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=4)
     observe_acceptance(c, 0.8, rows=4, steps=10, k=4)
-    c.new_batch(4)
-    seconds, emitted = 0.0, 0.0
-    for _ in range(20):
-        k = c.choose(4)
-        seconds += c.step_seconds(4, k)
-        emitted += c.expected_tokens(k)
-        observe_acceptance(c, 0.8, rows=4, steps=1, k=k) if k else c.observe(0, [], [], 4, c.cost(4, 1), None)
-    c.end_batch([round(emitted)] * 4, seconds)
-    assert c.overhead[4] < 0.1
+    audited_call(c, rows=4, steps=20)
+    assert c.overhead[4] < 0.05
     assert c.choose(4) > 0
 
 
-def test_the_overhead_is_kept_per_batch_size():
+def test_the_overhead_is_learned_per_batch_size():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=32)
     c.cost.observe(1, 1, 0.01)
     c.cost.observe(1, 1, 0.01)
     observe_acceptance(c, 0.8, rows=32, steps=10, k=4)
     for _ in range(4):
-        speculate_one_call(c, rows=32, steps=20, seconds_per_step=0.05)
-    c.overhead[1] = 0.0  # batch 1's own audits found nothing unmodelled
-    c.new_batch(1)
-    assert c.step_overhead(1) == 0.0 and c.tokens_per_second(1, 4) > 1.5 * c.tokens_per_second(1, 0)
-    c.new_batch(24)  # never audited: the nearest audited batch size's estimate
-    assert c.step_overhead(24) == c.overhead[32] * c.cost(24, 1)
+        audited_call(c, rows=32, steps=20, seconds=20 * 0.05)
+    at_32 = c.overhead[32]
+    c.new_batch(24)  # never audited: no overhead until its own first call says otherwise
+    assert c.step_overhead(24) == 0.0
+    c.new_batch(32)
+    assert c.step_overhead(32) == at_32 * c.cost(32, 1)
+    chosen = audited_call(c, rows=1, steps=40)  # batch 1's call takes what verify + draft cost, no more
+    assert c.overhead[1] < 0.05 and c.overhead[32] == at_32 and sum(k > 0 for k in chosen) > 30
 
 
 def test_a_call_with_no_speculative_step_is_not_audited():
