@@ -164,6 +164,11 @@ class SpeculationController:
         weight = call.steps / (call.steps + self.audit_prior_steps)
         self.overhead[call.rows] = min(max(call.overhead + weight * correction, 0.0), self.max_overhead)
 
+    def audited_overhead(self) -> float | None:
+        """The overhead estimate at the last call's batch size (decode steps per speculative step), None before a
+        call of that size was audited."""
+        return self.overhead.get(self.call.rows)
+
     def step_overhead(self, rows: int) -> float:
         """Seconds a speculative step at `rows` costs beyond verify + draft: the estimate for the call's batch size
         (0 until a call of that size was audited: what a tail of rows costs depends on how many there are) in

@@ -207,9 +207,9 @@ class Trainer:
             "draft/skipped_steps": float(self.skipped_draft_steps),
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
-        if self.controller is not None and self.controller.call.rows in self.controller.overhead:
-            # decode steps of cost per speculative step that the controller's audits found beyond its model
-            metrics["spec/audit_overhead"] = self.controller.overhead[self.controller.call.rows]
+        overhead = self.controller.audited_overhead() if self.controller is not None else None
+        if overhead is not None:  # decode steps of cost per speculative step the audits found beyond the model
+            metrics["spec/audit_overhead"] = overhead
         if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
             metrics |= self.drift.measure(self.policy)
         return average_metrics(metrics | train_metrics, self.dims)
