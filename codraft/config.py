@@ -234,10 +234,16 @@ class RLConfig:
     max_dropped_steps: int = 3  # that many such steps in a row stop the run with the reward's error; 0 = never
     drift_every: int = 5  # steps between drift/kl_step0, KL(current || step-0 policy) per token (rl/drift.py); 0 = off
     drift_prompts: int = 8  # held-out prompts whose greedy step-0 answers drift/kl_step0 is measured on
+    # steps between measured rollout speedups (rollout/speedup_measured, rollout/speedup.py): after the step's
+    # speculative rollout, plain decoding of its prompts to its row lengths is timed, outside time/step_s;
+    # the first step and every this many after; 0 = off (the cost: one plain rollout per measurement)
+    measure_speedup_every: int = 10
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
         require(self.drift_every >= 0, "rl.drift_every", ">= 0 (0 = off)", self.drift_every)
+        require(self.measure_speedup_every >= 0, "rl.measure_speedup_every", ">= 0 (0 = off)",
+                self.measure_speedup_every)
         require(self.drift_prompts >= 1, "rl.drift_prompts", ">= 1", self.drift_prompts)
         require(self.prompts_per_step >= 1, "rl.prompts_per_step", ">= 1", self.prompts_per_step)
         require(self.group_size >= 2, "rl.group_size", ">= 2 (advantages are relative to the group)", self.group_size)

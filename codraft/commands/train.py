@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import deque
 from contextlib import nullcontext
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 SUMMARY = ("reward/mean", "reward/accuracy", "reward/final_answer_accuracy", "spec/acceptance_length",
            "rollout/tokens_per_s", "loss/draft", "time/step_s")
+SPEEDUP = "rollout/speedup_measured"  # logged on the steps of rl.measure_speedup_every only
 SUMMARY_STEPS = 5  # the summary compares the means of the first and the last this many steps
 
 
@@ -44,6 +46,7 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     # the summary's first and last 5 steps: a run of any length keeps 10 rows, not one per step
     head: list[dict] = []
     tail: deque[dict] = deque(maxlen=SUMMARY_STEPS)
+    speedups: dict[int, float] = {}  # step -> measured rollout speedup over plain decoding
     resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
     with StopOnSignal() as stop, logger as metrics:
@@ -55,6 +58,8 @@ def train(cfg: Config, dims: ParallelDims) -> int:
             if writer:
                 metrics.log(trainer.step, step_metrics)
             (head if len(head) < SUMMARY_STEPS else tail).append(step_metrics)
+            if SPEEDUP in step_metrics:
+                speedups[trainer.step] = step_metrics[SPEEDUP]
             live = {"reward": step_metrics["reward/mean"], "tau": step_metrics["spec/acceptance_length"],
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
@@ -66,9 +71,20 @@ def train(cfg: Config, dims: ParallelDims) -> int:
                 trainer.save()  # collective under PP: every rank hands over its stage's optimizer state
         trainer.save()  # the last completed step, interrupted or not
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(head, list(tail)))
+    if speedups:
+        log.info("%s", speedup_line(speedups))
     if stop.signum is not None:
         log.info("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
     return stop.exit_code
+
+
+def speedup_line(speedups: dict[int, float]) -> str:
+    """The measured rollout speedups of the run, step by step, and their median."""
+    values = sorted(speedups.values())
+    median = statistics.median(values)
+    steps = ", ".join(f"{step}: {x:.2f}x" for step, x in speedups.items())
+    return (f"speculative rollout vs plain decoding of the same prompts and row lengths, measured "
+            f"(rl.measure_speedup_every): median {median:.2f}x over {len(values)} steps ({steps})")
 
 
 def summary_table(head: list[dict], tail: list[dict]) -> str:

@@ -52,7 +52,8 @@ from codraft.rl.prompts import prompt_corpus, prompt_encoder
 from codraft.rl.reward_guard import RewardGuard
 from codraft.rl.rewards import answer_correct, load_reward_fn, score
 from codraft.rl.tasks import build_task
-from codraft.rollout import SpeculationController, generate
+from codraft.rollout import Rollout, SpeculationController, generate
+from codraft.rollout.speedup import measured_speedup
 from codraft.train.checkpoint import save_checkpoint
 from codraft.train.objective import JointObjective
 from codraft.train.optimizers import build_optimizer
@@ -129,7 +130,7 @@ class Trainer:
 
     # --- one step ------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, rl = self.cfg, self.cfg.rl
+        rl = self.cfg.rl
         t_step = time.perf_counter()
 
         # 1. data (this replica's share of the step's prompts under dp)
@@ -140,20 +141,8 @@ class Trainer:
 
         # 2. rollout with the current policy and draft, generated once per replica
         self.policy.eval()
-        rollout = share_rollout(
-            lambda: generate(
-                self.policy,
-                rows,
-                drafter=self.draft.drafter() if self.draft is not None else None,
-                num_speculative_tokens=rl.num_speculative_tokens,
-                temperature=rl.temperature,
-                top_p=rl.top_p,
-                max_new_tokens=rl.max_new_tokens,
-                seed=cfg.run.seed * 1_000_003 + self.step,
-                adaptive=self.controller if self.controller is not None else False,
-            ),
-            self.dims,
-        )
+        rollout, speedup = share_rollout(lambda: self._rollout(rows), self.dims)
+        t_step += speedup.get("rollout/plain_s", 0.0)  # the measurement's plain rollout is not part of the step
         t_rollout = time.perf_counter() - t_step
 
         # 3. rewards -> group-normalised advantages
@@ -207,6 +196,7 @@ class Trainer:
             "draft/skipped_steps": float(self.skipped_draft_steps),
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
+        metrics |= speedup  # measured on this step, or nothing
         overhead = self.controller.audited_overhead() if self.controller is not None else None
         if overhead is not None:  # decode steps a speculative step costs beyond the model: an estimate, since the
             # audit's plain-decoding cost comes from the cost model, not from a plain run
@@ -214,6 +204,29 @@ class Trainer:
         if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
             metrics |= self.drift.measure(self.policy)
         return average_metrics(metrics | train_metrics, self.dims)
+
+    def _rollout(self, rows: list[list[int]]) -> tuple[Rollout, dict[str, float]]:
+        """The step's rollout with the current policy and draft; on the steps of rl.measure_speedup_every, also
+        its speedup over plain decoding of the same rows, measured (rollout/speedup.py)."""
+        rl = self.cfg.rl
+        seed = self.cfg.run.seed * 1_000_003 + self.step
+        sampling = dict(temperature=rl.temperature, top_p=rl.top_p)
+        start = time.perf_counter()
+        rollout = generate(
+            self.policy,
+            rows,
+            drafter=self.draft.drafter() if self.draft is not None else None,
+            num_speculative_tokens=rl.num_speculative_tokens,
+            max_new_tokens=rl.max_new_tokens,
+            seed=seed,
+            adaptive=self.controller if self.controller is not None else False,
+            **sampling,
+        )
+        spec_s = time.perf_counter() - start
+        every = rl.measure_speedup_every
+        if self.draft is None or not rl.num_speculative_tokens or not every or self.step % every:
+            return rollout, {}
+        return rollout, measured_speedup(self.policy, rollout, spec_s, seed=seed, **sampling)
 
     def _update(self, rollout, rows: list[list[int]], advantages: torch.Tensor, keep: torch.Tensor) -> dict:
         """rl.optimizer_steps_per_batch optimizer steps on this rank's microbatches of the kept sequences."""

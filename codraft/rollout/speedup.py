@@ -1,0 +1,30 @@
+"""The speedup of a speculative rollout, measured rather than estimated.
+
+Plain decoding of the rollout's prompts to exactly its row lengths (stop tokens off) does the decode steps the
+rollout would have needed without a draft, at the same batch size at every step (rows leave as they did), so
+the ratio of the two wall-clock times is the speedup the draft bought on this step, on this machine's state.
+At T > 0 the plain run samples other tokens, but the shape of its work is the same.
+"""
+
+from __future__ import annotations
+
+import time
+
+from codraft.models import Transformer
+from codraft.rollout.engine import Rollout, generate
+
+
+def plain_like(model: Transformer, rollout: Rollout, *, temperature: float, top_p: float = 1.0,
+               seed: int | None = None) -> Rollout:
+    """Plain decoding of `rollout.prompts`, each row to the length it has in `rollout`."""
+    return generate(model, rollout.prompts, temperature=temperature, top_p=top_p,
+                    max_new_tokens=[len(t) for t in rollout.tokens], stop_token_ids=[], seed=seed)
+
+
+def measured_speedup(model: Transformer, rollout: Rollout, spec_s: float, *, temperature: float,
+                     top_p: float = 1.0, seed: int | None = None) -> dict[str, float]:
+    """`rollout` took `spec_s` seconds; time `plain_like` of it and report both and their ratio."""
+    start = time.perf_counter()
+    plain_like(model, rollout, temperature=temperature, top_p=top_p, seed=seed)
+    plain_s = time.perf_counter() - start
+    return {"rollout/spec_s": spec_s, "rollout/plain_s": plain_s, "rollout/speedup_measured": plain_s / spec_s}
