@@ -193,6 +193,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         taps: Iterable[int] = (),
         compute_logits: bool = True,
+        logit_rows: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Run the stage.
 
@@ -201,6 +202,7 @@ class Transformer(nn.Module):
         cache: positions default to `cache.lengths[:, None] + arange(S)`; the cache's
             lengths are NOT advanced here — the caller decides what to keep.
         taps: layer ids whose outputs to return; ids outside this stage are ignored.
+        logit_rows: positions [R] along S; the head runs on them only and the other rows of the logits are 0.
         """
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         B, S = x.shape[:2]
@@ -219,8 +221,15 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, ctx)
             if int(name) in wanted:
                 tapped[int(name)] = x
-        logits = self.logits(x) if (self.lm_head is not None and compute_logits) else None
+        logits = None
+        if self.lm_head is not None and compute_logits:
+            logits = self.logits(x) if logit_rows is None else self._logits_at(x, logit_rows)
         return ModelOutput(logits=logits, hidden=x, taps=tapped)
+
+    def _logits_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [B, S, V] of states x [B, S, H] computed at positions `rows` along S, zero elsewhere."""
+        part = self.logits(x.index_select(1, rows))  # [B, R, V]
+        return part.new_zeros(*x.shape[:2], part.shape[-1]).index_copy(1, rows, part)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + head over residual-stream states [..., hidden]."""

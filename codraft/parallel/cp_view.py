@@ -34,11 +34,14 @@ class CPBatchView(BatchView):
     predicts_response: torch.Tensor | None = None  # [T_local] bool: the row predicts a response token
 
     def per_response(self, fn: RowFn, logits: torch.Tensor) -> torch.Tensor:
-        rows = torch.nonzero(self.predicts_response).flatten()
+        rows = self.logit_rows()
         values = fn(logits[rows], self.next_ids[rows])  # [R_local]
         layout = self.shard.layout
         local = values.new_zeros(layout.num_tokens).index_put((rows,), values)  # [T_local]
         return gather(local, layout, self.shard.group)[self.batch.logprob_index]  # [T] -> [R]
+
+    def logit_rows(self) -> torch.Tensor:
+        return torch.nonzero(self.predicts_response).flatten()
 
 
 def cp_view(batch: PackedRollouts, group: dist.ProcessGroup) -> CPBatchView:

@@ -104,7 +104,8 @@ class StageModule(nn.Module):
         """x: token ids [1, L] (first stage) or hidden [1, L, H]; mb: [1] microbatch index."""
         m = int(mb)
         meta = self.metas[m]
-        out = self.model(x, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.own_taps)
+        out = self.model(x, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.own_taps,
+                         logit_rows=meta.logit_rows if self.is_last else None)
         taps = {layer: t[0, : meta.tokens].detach() for layer, t in out.taps.items()}  # [tokens, H], no way back
         if not self.is_last:
             if taps and self.channel is not None:

@@ -111,6 +111,11 @@ class BatchView:
         b = self.batch
         return fn(logits[b.logprob_index], b.input_ids[b.logprob_index + 1])
 
+    def logit_rows(self) -> torch.Tensor:
+        """[R_local] the local rows that predict a response token: the only logits the RL loss and the draft's
+        loss read (a draft's target outside the response is masked)."""
+        return self.batch.logprob_index
+
     def response_logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """[R] log p of every response token, differentiable."""
         return self.per_response(lambda rows, targets: token_logprobs(rows, targets, temperature), logits)
@@ -150,6 +155,10 @@ class MicrobatchMeta:
     cu_seqlens: torch.Tensor  # [n + 1] or [n + 2]: the microbatch's sequences, then any padding as one more
     positions: torch.Tensor  # [1, L] rotary positions
     tokens: int  # real (unpadded) tokens; taps and logits beyond them are padding
+    # the positions whose logits some loss reads (they predict a response token): the head runs on these only,
+    # the other rows of the logits are zero (its matmul is a fifth of a 135M model's FLOPs, and most rows are
+    # prompt); None: every row
+    logit_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -186,6 +195,6 @@ def split_rollouts(prompts: list[list[int]], completions: list[list[int]], logpr
         if length > tokens:  # padding is a sequence of its own: no real token attends to it
             cu = F.pad(cu, (0, 1), value=length)
             positions = F.pad(positions, (0, length - tokens))
-        meta = MicrobatchMeta(cu_seqlens=cu, positions=positions[None], tokens=tokens)
+        meta = MicrobatchMeta(cu_seqlens=cu, positions=positions[None], tokens=tokens, logit_rows=v.logit_rows())
         microbatches.append(Microbatch(b, advantages[g.to(advantages.device)], meta, v))
     return microbatches, ids

@@ -60,7 +60,8 @@ def reference_logprobs(reference: nn.Module, microbatches: list[Microbatch], ids
     collect = _ResponseLogprobs(microbatches, temperature)
     if dims.pp == 1:
         for m, mb in enumerate(microbatches):
-            out = reference(ids[m][None], positions=mb.meta.positions, cu_seqlens=mb.meta.cu_seqlens)
+            out = reference(ids[m][None], positions=mb.meta.positions, cu_seqlens=mb.meta.cu_seqlens,
+                            logit_rows=mb.meta.logit_rows)
             collect(m, out.logits[0, : mb.meta.tokens], {})
     else:
         module = StageModule(reference, dims.pp_rank, dims.pp, objective=collect if dims.is_last_stage else None)

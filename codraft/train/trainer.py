@@ -301,7 +301,8 @@ class Trainer:
         dims = self.dims
         if dims.pp == 1:
             meta = mbs[0].meta
-            out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps)
+            out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps,
+                             logit_rows=meta.logit_rows)
             taps = {layer: t[0].detach() for layer, t in out.taps.items()}  # [T, H]: the draft reads, never writes
             loss = objective(0, out.logits[0], taps)
             if loss.requires_grad:  # not when the RL loss was non-finite and there is no draft term

@@ -131,3 +131,16 @@ def test_taps_match_transformers_hidden_states():
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
     for layer in range(3):  # HF's last hidden state is after the final norm; taps are pre-norm
         torch.testing.assert_close(out.taps[layer], ref.hidden_states[layer + 1], atol=1e-5, rtol=1e-5)
+
+
+def test_logits_at_rows_are_the_full_head_s_there_and_zero_elsewhere():
+    model = tiny()
+    ids = torch.randint(0, 97, (1, 10))
+    cu = torch.tensor([0, 4, 10])
+    rows = torch.tensor([2, 3, 7, 8])
+    full = model(ids, cu_seqlens=cu).logits
+    part = model(ids, cu_seqlens=cu, logit_rows=rows).logits
+    assert part.shape == full.shape
+    torch.testing.assert_close(part[0, rows], full[0, rows])
+    others = torch.ones(10, dtype=torch.bool).index_fill(0, rows, False)
+    assert torch.equal(part[0, others], torch.zeros_like(part[0, others]))

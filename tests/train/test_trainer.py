@@ -8,6 +8,7 @@ import torch
 
 from codraft.cli import main
 from codraft.config import load_config
+from codraft.models import Transformer
 from codraft.train.trainer import Trainer
 
 DESIGN_METRICS = [
@@ -103,6 +104,31 @@ def test_policy_gradient_is_bit_identical_with_and_without_the_draft_loss(tmp_pa
     assert with_draft.keys() == without.keys() and with_draft
     for name in with_draft:
         assert torch.equal(with_draft[name], without[name]), name
+
+
+def step_grads(cfg, tmp_path) -> dict[str, torch.Tensor]:
+    """Every gradient of one train step, policy and draft, taken where the optimizers would step."""
+    trainer = Trainer(cfg, tmp_path)
+    grads = {}
+    modules = (("policy", trainer.policy, trainer.policy_opt), ("draft", trainer.draft, trainer.draft_opt))
+    for name, module, opt in modules:
+        opt.step = lambda name=name, module=module: grads.update(
+            {f"{name}.{n}": p.grad.clone() for n, p in module.named_parameters() if p.grad is not None})
+    trainer.train_step()
+    return grads
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_the_head_on_response_rows_only_gives_the_full_head_s_gradients(tmp_path, family, monkeypatch):
+    cfg = load_config(None, [*TINY, f"draft.family={family}", "rl.drift_every=0", "rl.measure_speedup_every=0",
+                             f"run.dir={tmp_path}"])
+    rows_only = step_grads(cfg, tmp_path)
+    monkeypatch.setattr(Transformer, "_logits_at", lambda self, x, rows: self.logits(x))  # every row, as before
+    full = step_grads(cfg, tmp_path)
+    assert rows_only.keys() == full.keys() and any(k.startswith("draft.") for k in full)
+    for name in full:
+        torch.testing.assert_close(rows_only[name], full[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_taps_and_draft_targets_carry_no_gradient_into_the_policy(tmp_path):
