@@ -1,5 +1,6 @@
 """Every test session keeps codraft's caches (GGUF conversions, warm-start drafts, distillation responses) in a
-directory of its own, never in the user's ~/.cache/codraft; tests that need an empty cache set their own."""
+directory of its own, never in the user's ~/.cache/codraft; tests that need an empty cache set their own.
+A test distils a warm-start draft only if it is marked `warm_start`."""
 
 import os
 
@@ -15,3 +16,18 @@ def _session_cache(tmp_path_factory):
         os.environ.pop("CODRAFT_CACHE", None)
     else:
         os.environ["CODRAFT_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def _no_unasked_warm_start(request, monkeypatch):
+    """checkpoint.draft_init defaults to auto, so a trainer whose test does not say which draft it starts from would
+    distil one with draft_train's whole budget: slow, and not what the test is about. Fail such a test instead."""
+    if request.node.get_closest_marker("warm_start"):
+        return
+    from codraft.distill import warm_start
+
+    def refuse(cfg, *args):
+        raise AssertionError("this test would distil a warm-start draft: set checkpoint.draft_init=none (or a draft "
+                             "dir), or mark the test warm_start")
+
+    monkeypatch.setattr(warm_start, "distil", refuse)

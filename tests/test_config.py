@@ -276,8 +276,6 @@ CROSS_SECTION_RULES = {
                          "model.ref_path: 'nowhere' is neither a preset"),
     "dspark-tv": (["draft.family=dspark", "draft.loss=tv"],
                   "draft.loss=tv with draft.family=dspark: DSpark adds its TV term itself"),
-    "draft-init-without-family": (["draft.family=none", "checkpoint.draft_init=auto"],
-                                  "checkpoint.draft_init=auto with draft.family=none"),
     "tap-layers-unsorted": (["draft.tap_layers=[2,0,1]"],
                             "'draft.tap_layers' must be strictly ascending: SGLang and vLLM concatenate"),
     "tap-layers-duplicated": (["draft.tap_layers=[0,1,1]"], "'draft.tap_layers' must be strictly ascending"),
@@ -289,6 +287,13 @@ def test_a_rule_that_spans_sections_is_a_config_error_at_load_naming_the_keys(ov
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.path=tiny-llama", *overrides])
     assert message in str(err.value)
+
+
+def test_a_draft_dir_to_start_from_needs_a_draft_family_and_auto_does_not(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=f"checkpoint.draft_init={tmp_path} with draft.family=none: name"):
+        load_config(None, ["draft.family=none", f"checkpoint.draft_init={tmp_path}"])
+    assert load_config(None, ["draft.family=none"]).checkpoint.draft_init == "auto"  # the default: no draft, no-op
 
 
 def test_the_rules_accept_their_valid_neighbours():

@@ -13,9 +13,9 @@ from codraft.models import load_policy
 from codraft.rollout import generate
 from codraft.train.checkpoint import load_checkpoint
 
-TINY_TRAIN = ["model.path=tiny-llama", "rl.prompts_per_step=2", "rl.group_size=2", "rl.max_new_tokens=6",
-              "rl.steps=1", "rl.adaptive=false", "draft.num_anchors=2", "draft.draft_vocab_size=64",
-              "run.tensorboard=false"]
+TINY_TRAIN = ["model.path=tiny-llama", "checkpoint.draft_init=none", "rl.prompts_per_step=2", "rl.group_size=2",
+              "rl.max_new_tokens=6", "rl.steps=1", "rl.adaptive=false", "draft.num_anchors=2",
+              "draft.draft_vocab_size=64", "run.tensorboard=false"]
 TINY_DRAFT_TRAIN = ["model.path=tiny-llama", "run.tensorboard=false", "draft_train.num_prompts=8",
                     "draft_train.held_out_prompts=2", "draft_train.steps=2", "draft_train.batch_size=4",
                     "draft_train.max_new_tokens=8", "draft_train.eval_max_new_tokens=6", "draft.draft_vocab_size=64",

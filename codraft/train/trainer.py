@@ -224,7 +224,9 @@ class Trainer:
         )
         spec_s = time.perf_counter() - start
         every = rl.measure_speedup_every
-        if self.draft is None or not rl.num_speculative_tokens or not every or self.step % every:
+        # steps every, 2 * every, ...: not the first, whose one-off costs (packing weights, each shape's first
+        # forward) the speculative run pays and the plain run after it would not
+        if self.draft is None or not rl.num_speculative_tokens or not every or (self.step + 1) % every:
             return rollout, {}
         return rollout, measured_speedup(self.policy, rollout, spec_s, seed=seed, **sampling)
 

@@ -17,6 +17,8 @@ from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overri
 from codraft.train.trainer import Trainer
 from tests.drafts.test_warm_start import TINY, TINY_RL
 
+pytestmark = pytest.mark.warm_start  # co-trained and frozen variants start from checkpoint.draft_init=auto
+
 
 def records(n: int, rollout_s: float = 2.0, step_s: float = 4.0, tau=lambda i: 1.0, reward=lambda i: 0.5,
             length: float = 100.0, **extra) -> list[dict]:

@@ -17,6 +17,8 @@ from codraft.train.checkpoint import load_checkpoint
 from codraft.train.trainer import Trainer
 from tests.train.test_trainer import deterministic, run_metrics
 
+pytestmark = pytest.mark.warm_start
+
 TINY = ["model.path=tiny-llama", "run.tensorboard=false", "task.max_operand=9", "draft_train.num_prompts=4",
         "draft_train.steps=2", "draft_train.batch_size=2", "draft_train.max_new_tokens=8",
         "draft_train.generate_batch_size=4", "draft_train.warmup_steps=0", "draft.draft_vocab_size=64",

@@ -40,6 +40,7 @@ DESIGN_METRICS = [
 ]
 TINY = [
     "model.path=tiny-llama",
+    "checkpoint.draft_init=none",
     "rl.prompts_per_step=2",
     "rl.group_size=3",
     "rl.max_new_tokens=6",

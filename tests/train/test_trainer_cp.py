@@ -16,6 +16,7 @@ from tests.distributed import run_workers
 
 TINY = [
     "model.path=tiny-llama",
+    "checkpoint.draft_init=none",
     "rl.prompts_per_step=2",
     "rl.group_size=2",
     "rl.max_new_tokens=6",
