@@ -269,6 +269,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
         reward, se = mean_se([r["reward/mean"] for r in rows[-WINDOW:]])
         diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
+        in_run = finite([r.get("rollout/speedup_measured", math.nan) for r in rows])
         out.append({
             "run": name,
             "steps": len(rows),
@@ -281,6 +282,9 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "mean_k": known(mean_se([r.get("spec/mean_k", math.nan) for r in rows])[0]),
             "rollout_share": rollout / step if step else math.nan,
             "rollout_speedup": base_rollout / rollout if rollout else math.nan,
+            # against plain decoding of the same rows to the same lengths, in the run (rl.measure_speedup_every)
+            "rollout_speedup_in_run": statistics.median(in_run) if in_run else None,
+            "rollout_speedup_in_run_steps": len(in_run),
             "e2e_speedup": base_step / step if step else math.nan,
             # sampled runs part ways: a run that drew shorter answers did less work in its seconds
             "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,
@@ -298,14 +302,20 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
 
 def table(summary: list[dict], cfg: Config) -> str:
     header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", f"accept pos 1 first / last {WINDOW}",
-              "mean k", "rollout share", "rollout speedup", "e2e speedup", "response tokens vs baseline",
-              "rollout tokens/s vs baseline", f"reward last {WINDOW} ± SE", "reward - baseline", "within 2 SE",
-              "train/inference KL", "drift (last)"]
+              "mean k", "rollout share", "rollout speedup", "rollout speedup in run", "e2e speedup",
+              "response tokens vs baseline", "rollout tokens/s vs baseline", f"reward last {WINDOW} ± SE",
+              "reward - baseline", "within 2 SE", "train/inference KL", "drift (last)"]
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
+
+    def in_run(s: dict) -> str:
+        x = s["rollout_speedup_in_run"]
+        return "n/a" if x is None else f"{x:.3g} ({s['rollout_speedup_in_run_steps']})"
+
     rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"],
              " / ".join("n/a" if s[k] is None else f"{s[k]:.3g}" for k in ("accept1_first", "accept1_last")),
              "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
-             s["rollout_speedup"], s["e2e_speedup"], s["tokens_vs_baseline"], s["rollout_tokens_per_s_vs_baseline"],
+             s["rollout_speedup"], in_run(s), s["e2e_speedup"], s["tokens_vs_baseline"],
+             s["rollout_tokens_per_s_vs_baseline"],
              f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
              yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]
     rl, task = cfg.rl, cfg.task
@@ -324,6 +334,10 @@ def table(summary: list[dict], cfg: Config) -> str:
         "means over the same steps. Sampled "
         "runs part ways, so their answers' lengths differ: response tokens vs baseline is the run's total over the "
         "baseline's on those steps, rollout tokens/s vs baseline the ratio of response tokens per rollout second.",
+        "Rollout speedup in run: the median (over the steps in brackets) of rollout/speedup_measured, the run's own "
+        "rollout against plain decoding of the same prompts to the same row lengths timed right after it "
+        f"(rl.measure_speedup_every={rl.measure_speedup_every}): free of the runs' different answer lengths and of "
+        "the minutes between runs.",
         f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",
     ]
     if base["rollout_share"] < MIN_ROLLOUT_SHARE:

@@ -87,6 +87,7 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
                "dspark": records(12, rollout_s=0.5, step_s=3.5, tau=lambda i: 2.0 + i / 10)}
     history["dspark"][4]["drift/kl_step0"] = 0.03
     history["dspark"][0]["spec/accept_rate_pos_0"], history["dspark"][1]["spec/accept_rate_pos_0"] = 0.5, 0.7
+    history["dspark"][4]["rollout/speedup_measured"], history["dspark"][9]["rollout/speedup_measured"] = 1.2, 1.4
     variants = {"baseline": ["draft.family=none"], "dspark": e2e.co_trained_overrides("dspark")}
     payload = e2e.write_outputs(history, variants, cfg, tmp_path)
     saved = json.loads((tmp_path / "e2e.json").read_text())
@@ -98,9 +99,10 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert header.startswith("| run | steps | tau first 10 | tau last 10 | accept pos 1 first / last 10 | mean k | "
                              "rollout share | rollout speedup |")
     # first-position acceptance only in the first two records (none in the last 10), no k: n/a where none
-    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.6 / n/a | n/a | 0.143 | 2 | 1.14 | 1 | 2 | 0.500 ± "
-                             "0.000 | 0 | yes |")
-    assert baseline.split(" | ")[13] == "n/a"  # the baseline is the reference of the reward test
+    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.6 / n/a | n/a | 0.143 | 2 | 1.3 (2) | 1.14 | 1 | 2 | "
+                             "0.500 ± 0.000 | 0 | yes |")
+    assert baseline.split(" | ")[14] == "n/a"  # the baseline is the reference of the reward test
+    assert baseline.split(" | ")[8] == "n/a"  # no draft, no in-run measurement
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
     assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
