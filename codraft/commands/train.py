@@ -80,11 +80,10 @@ def train(cfg: Config, dims: ParallelDims) -> int:
 
 def speedup_line(speedups: dict[int, float]) -> str:
     """The measured rollout speedups of the run, step by step, and their median."""
-    values = sorted(speedups.values())
-    median = statistics.median(values)
     steps = ", ".join(f"{step}: {x:.2f}x" for step, x in speedups.items())
     return (f"speculative rollout vs plain decoding of the same prompts and row lengths, measured "
-            f"(rl.measure_speedup_every): median {median:.2f}x over {len(values)} steps ({steps})")
+            f"(rl.measure_speedup_every): median {statistics.median(speedups.values()):.2f}x over {len(speedups)} "
+            f"steps ({steps})")
 
 
 def summary_table(head: list[dict], tail: list[dict]) -> str:
