@@ -234,10 +234,9 @@ class RLConfig:
     max_dropped_steps: int = 3  # that many such steps in a row stop the run with the reward's error; 0 = never
     drift_every: int = 5  # steps between drift/kl_step0, KL(current || step-0 policy) per token (rl/drift.py); 0 = off
     drift_prompts: int = 8  # held-out prompts whose greedy step-0 answers drift/kl_step0 is measured on
-    # steps between measured rollout speedups (rollout/speedup_measured, rollout/speedup.py): after the step's
-    # speculative rollout, plain decoding of its prompts to its row lengths is timed, outside time/step_s;
-    # on steps N, 2N, ...; 0 = off (the cost: one plain rollout per measurement)
-    measure_speedup_every: int = 10
+    # after the step's speculative rollout, plain decoding of its prompts to its row lengths is timed, outside
+    # time/step_s (rollout/speedup.py); the cost: one plain rollout per measurement
+    measure_speedup_every: int = 10  # steps between rollout/speedup_measured (steps N, 2N, ...); 0 = off
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
@@ -267,13 +266,11 @@ class OptimConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
-    # for the warm draft of checkpoint.draft_init=auto: half the final lr of its distillation, reached over 5 steps
-    # (a fresh Adam at 1e-3 undid a warm EAGLE-3's distillation; README); a fresh draft (draft_init=none) learns
-    # faster at 1e-3 without warm-up
-    draft_lr: float = 1e-4
+    # half the final lr of the warm start's distillation: a fresh Adam at 1e-3 undid a warm EAGLE-3's (README)
+    draft_lr: float = 1e-4  # for the warm draft of checkpoint.draft_init=auto; a fresh draft learns faster at 1e-3
     draft_weight_decay: float = 0.0
     draft_grad_clip: float = 1.0
-    draft_warmup_steps: int = 5
+    draft_warmup_steps: int = 5  # 0 suits a fresh draft
 
     def validate(self) -> None:
         for name in ("lr", "draft_lr"):
@@ -288,9 +285,9 @@ class CheckpointConfig:
     every: int = 10  # steps between checkpoints (and one at the end, or on SIGINT/SIGTERM); 0 = only then
     keep: int = 2  # newest checkpoints kept
     resume: str | None = None  # a run directory to continue (`codraft train --resume DIR`)
-    # the draft to start from: auto = distilled for this policy and config once (draft_train.*), then cached under
-    # $CODRAFT_CACHE/drafts (distill/warm_start.py); a draft dir (codraft draft-train); none = a fresh draft
-    draft_init: str | None = "auto"
+    # auto: distilled for this policy and config once (draft_train.*), then cached under $CODRAFT_CACHE/drafts
+    # (distill/warm_start.py)
+    draft_init: str | None = "auto"  # the draft to start from: auto, a draft dir (codraft draft-train), none = fresh
 
     def validate(self) -> None:
         require(self.every >= 0, "checkpoint.every", ">= 0", self.every)
