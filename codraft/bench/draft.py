@@ -36,6 +36,7 @@ from codraft.drafts.export import check_family, load_draft
 from codraft.models import Tokenizer, Transformer, load_policy
 from codraft.observability import progress
 from codraft.rollout import Rollout, RolloutStats, SpeculationController, generate
+from codraft.rollout.speedup import plain_at
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,7 @@ def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[in
             policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False, **common))
         if stop_tokens and t > 0:
             runs[f"spec_t{t:g}"], runs[f"ar_matched_t{t:g}"] = length_matched(
-                groups, runs[f"spec_t{t:g}"], lambda p, limits, t=t: generate(
-                    policy, p, temperature=t, **(common | dict(max_new_tokens=limits, stop_token_ids=[]))))
+                groups, runs[f"spec_t{t:g}"], lambda p, limits, t=t: plain_at(policy, p, limits, temperature=t, seed=0))
     return runs
 
 

@@ -14,11 +14,18 @@ from codraft.models import Transformer
 from codraft.rollout.engine import Rollout, generate
 
 
+def plain_at(model: Transformer, prompts: list[list[int]], lengths: list[int], *, temperature: float,
+             top_p: float = 1.0, seed: int | None = None) -> Rollout:
+    """Plain decoding of `prompts`, row i to exactly `lengths[i]` tokens (stop tokens off)."""
+    return generate(model, prompts, temperature=temperature, top_p=top_p, max_new_tokens=lengths,
+                    stop_token_ids=[], seed=seed)
+
+
 def plain_like(model: Transformer, rollout: Rollout, *, temperature: float, top_p: float = 1.0,
                seed: int | None = None) -> Rollout:
     """Plain decoding of `rollout.prompts`, each row to the length it has in `rollout`."""
-    return generate(model, rollout.prompts, temperature=temperature, top_p=top_p,
-                    max_new_tokens=[len(t) for t in rollout.tokens], stop_token_ids=[], seed=seed)
+    return plain_at(model, rollout.prompts, [len(t) for t in rollout.tokens], temperature=temperature, top_p=top_p,
+                    seed=seed)
 
 
 def measured_speedup(model: Transformer, rollout: Rollout, spec_s: float, *, temperature: float,
