@@ -203,12 +203,12 @@ class DFlashDraft(DraftModel):
 
     def draft_block(
         self, hidden: torch.Tensor, first: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """hidden [B, n, H] of slots 1..n, first [B] the anchor -> tokens [B, n] (target ids), their draft probs
-        [B, n, N] over the draft vocabulary (None when greedy). Independent slots: all drawn at once, each from
-        its own distribution."""
-        local, probs = draw_proposal(self.head_logits(hidden), params, generator)
-        return self.target_ids(local), probs
+        [B, n, N] over the draft vocabulary (None when greedy) and the draft's confidence in each [B, n].
+        Independent slots: all drawn at once, each from its own distribution."""
+        local, probs, confidence = draw_proposal(self.head_logits(hidden), params, generator)
+        return self.target_ids(local), probs, confidence
 
     # --- the inference head over the draft vocabulary ---
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -346,9 +346,9 @@ class DFlashDraft(DraftModel):
         positions = n[:, None] + torch.arange(b, device=n.device)
         width = min(k, b - 1)
         hidden = self.run_block(pending, positions, attend)[:, 1 : 1 + width]
-        tokens, probs = self.draft_block(hidden, pending, params, state.generator)
+        tokens, probs, confidence = self.draft_block(hidden, pending, params, state.generator)
         lengths = torch.full((B,), width, dtype=torch.long, device=n.device)
-        return Proposal(tokens, lengths, probs, vocab=None if probs is None else self.head_vocab)
+        return Proposal(tokens, lengths, probs, vocab=None if probs is None else self.head_vocab, confidence=confidence)
 
     # --- export ---
     def export_config(self) -> dict:

@@ -64,17 +64,18 @@ class DSparkDraft(DFlashDraft):
 
     def draft_block(
         self, hidden: torch.Tensor, first: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Left to right: slot k is drawn given the token drafted at slot k-1 (the policy head runs once for all
         slots; only the Markov bias waits for the previous token)."""
         base = self.head_logits(hidden)  # [B, n, N]
-        tokens, probs, prev = [], [], first
+        tokens, probs, confidence, prev = [], [], [], first
         for k in range(hidden.shape[1]):
-            local, p = draw_proposal(base[:, k] + self.markov_logits(prev), params, generator)  # [B], [B, N] | None
+            local, p, c = draw_proposal(base[:, k] + self.markov_logits(prev), params, generator)  # [B], [B, N] | None
             prev = self.target_ids(local)
             tokens.append(prev)
             probs.append(p)
-        return torch.stack(tokens, 1), None if params.greedy else torch.stack(probs, 1)
+            confidence.append(c)
+        return torch.stack(tokens, 1), None if params.greedy else torch.stack(probs, 1), torch.stack(confidence, 1)
 
     def markov_logits(self, prev: torch.Tensor) -> torch.Tensor:
         """Inference: the Markov bias [..., N] over `head_vocab` (all V without one)."""

@@ -222,19 +222,21 @@ class Eagle3Draft(DraftModel):
         hidden = self._absorb(state, pending)  # [B, H] output at the last committed position n-1
         last = state.absorbed - 1  # [B]
         vocab = self.draft_ids()
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for i in range(k):
-            local, p = draw_proposal(self.head(hidden), params, state.generator)  # [B] draft ids, [B, N] | None
+            local, p, c = draw_proposal(self.head(hidden), params, state.generator)  # [B] draft ids, [B, N] | None
             tokens.append(vocab[local])
             probs.append(p)
+            confidence.append(c)
             if i + 1 < k:  # tentative keys at n-1+i+1, past the committed length
                 pos = (last + i + 1)[:, None]
                 hidden = self._cached_forward(state, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
         B = pending.shape[0]
         lengths = torch.full((B,), k, dtype=torch.long, device=pending.device)
+        confidence = torch.stack(confidence, 1)
         if params.greedy:
-            return Proposal(torch.stack(tokens, 1), lengths)
-        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1), vocab=vocab)
+            return Proposal(torch.stack(tokens, 1), lengths, confidence=confidence)
+        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1), vocab=vocab, confidence=confidence)
 
     def _absorb(self, state: DraftState, pending: torch.Tensor) -> torch.Tensor:
         """One ragged forward over the pairs (f_j, x_{j+1}) of every row's fresh tokens -> hidden [B, H]

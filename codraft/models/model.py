@@ -78,8 +78,8 @@ class Attention(nn.Module):
         self.packed_attention: PackedAttention = packed_causal_sdpa  # parallelisms swap this from outside
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: _AttentionContext) -> torch.Tensor:
-        B, S, _ = x.shape
-        q, k, v = self.qkv(x)
+        B, S = ctx.batch_shape
+        q, k, v = (ctx.expand(t) for t in self.qkv(x))
         q = q.view(B, S, self.num_heads, self.head_dim)
         k = k.view(B, S, self.num_kv_heads, self.head_dim)
         v = v.view(B, S, self.num_kv_heads, self.head_dim)
@@ -99,7 +99,7 @@ class Attention(nn.Module):
             keys = ctx.cache.k[ctx.layer_slot, :, :, : ctx.kv_len]
             values = ctx.cache.v[ctx.layer_slot, :, :, : ctx.kv_len]
             out = cache_attention(q, keys, values, ctx.mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+        return self.o_proj(ctx.compact(out.transpose(1, 2).reshape(B, S, -1)))
 
 
 class FeedForward(nn.Module):
@@ -133,11 +133,24 @@ class _AttentionContext:
     """What attention needs besides q/k/v, computed once per forward."""
 
     positions: torch.Tensor  # [B, S]
+    batch_shape: tuple[int, int]  # (B, S) of the forward's inputs
+    active: torch.Tensor | None = None  # flat indices into B * S of the tokens computed; None = all of them
     cu_seqlens: torch.Tensor | None = None
     cache: KVCache | None = None
     kv_len: int = 0  # cache columns that any query of this forward may see
     mask: CacheMask | None = None  # which of the kv_len cache columns each query sees
     layer_slot: int = 0  # index of the current layer inside the cache
+
+    def compact(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, F] -> [1, N, F], the active tokens' rows (x itself when all are active)."""
+        return x if self.active is None else x.reshape(-1, x.shape[-1]).index_select(0, self.active)[None]
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, F] of the active tokens -> [B, S, F], zero at the others (x itself when all are active)."""
+        if self.active is None:
+            return x
+        full = x.new_zeros(self.batch_shape[0] * self.batch_shape[1], x.shape[-1]).index_copy_(0, self.active, x[0])
+        return full.view(*self.batch_shape, -1)
 
 
 class Transformer(nn.Module):
@@ -194,6 +207,7 @@ class Transformer(nn.Module):
         taps: Iterable[int] = (),
         compute_logits: bool = True,
         logit_rows: torch.Tensor | None = None,
+        active: torch.Tensor | None = None,
     ) -> ModelOutput:
         """Run the stage.
 
@@ -203,11 +217,19 @@ class Transformer(nn.Module):
             lengths are NOT advanced here — the caller decides what to keep.
         taps: layer ids whose outputs to return; ids outside this stage are ignored.
         logit_rows: positions [R] along S; the head runs on them only and the other rows of the logits are 0.
+        active: flat indices [N] into the B * S tokens (with a cache): only they run through the layers and
+            the head, so a verify step whose rows bring fewer drafts than others pays for the tokens it has.
+            The others' rows of logits, hidden and taps are 0 and their cache slots junk, so they must lie past
+            what the caller keeps of each row (causal attention keeps them out of the active tokens' outputs).
         """
         x = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         B, S = x.shape[:2]
         positions = self._positions(B, S, x.device, cu_seqlens, cache) if positions is None else positions
-        ctx = _AttentionContext(positions=positions, cu_seqlens=cu_seqlens, cache=cache)
+        ctx = _AttentionContext(positions=positions, batch_shape=(B, S), cu_seqlens=cu_seqlens, cache=cache)
+        if active is not None:
+            assert cache is not None and logit_rows is None, "active tokens are for cached (decode/verify) forwards"
+            ctx.active = active
+            x = ctx.compact(x)
         if cache is not None:
             ctx.kv_len = int(positions.max()) + 1
             visible = torch.arange(ctx.kv_len, device=x.device) <= positions[..., None]  # [B, S, kv_len]
@@ -220,11 +242,11 @@ class Transformer(nn.Module):
             ctx.layer_slot = slot
             x = layer(x, cos, sin, ctx)
             if int(name) in wanted:
-                tapped[int(name)] = x
+                tapped[int(name)] = ctx.expand(x)
         logits = None
         if self.lm_head is not None and compute_logits:
-            logits = self.logits(x) if logit_rows is None else self._logits_at(x, logit_rows)
-        return ModelOutput(logits=logits, hidden=x, taps=tapped)
+            logits = ctx.expand(self.logits(x)) if logit_rows is None else self._logits_at(x, logit_rows)
+        return ModelOutput(logits=logits, hidden=ctx.expand(x), taps=tapped)
 
     def _logits_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, V] of states x [B, S, H] computed at positions `rows` along S, zero elsewhere."""

@@ -37,6 +37,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import torch
+
+from codraft.rollout.calibration import DraftCalibration
+
 
 class VerifyCostModel:
     """Seconds of a target forward of `rows` rows x `tokens` tokens per row, from observed forwards (EMA).
@@ -117,7 +121,8 @@ class SpeculationController:
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int = 1, first_probe: int = 8, max_probe_interval: int = 64, min_gain: float = 0.05,
-                 refresh_every: int = 32, audit_prior_steps: float = 32.0, max_overhead: float = 2.0):
+                 refresh_every: int = 32, audit_prior_steps: float = 32.0, max_overhead: float = 2.0,
+                 truncate: bool = True):
         self.max_k = max_k
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         # each position's estimate averages about the last `memory` row observations, whatever the batch: rows
@@ -142,6 +147,13 @@ class SpeculationController:
         self.overhead: dict[int, float] = {}
         self.audit_prior_steps, self.max_overhead = audit_prior_steps, max_overhead
         self.call = CallAudit(rows=0)
+        # per-row draft lengths: a row's drafts past the first one not worth its share of the verify forward
+        # are not fed (the forward then runs only the tokens fed); one speculative step in `refresh_every` at
+        # each row count feeds them all, which keeps the untruncated cost and the calibration's low buckets fresh
+        self.truncate = truncate
+        self.calibration = DraftCalibration()
+        self.verified: dict[int, float] = {}  # k -> EMA of the drafts per row a step of k verified
+        self.since_full: dict[int, int] = {}  # rows -> steps since the last untruncated one
 
     def new_batch(self, rows: int) -> None:
         """A generate call of `rows` rows starts: new prompts (and, in training, an updated draft) may accept
@@ -198,7 +210,34 @@ class SpeculationController:
         return self.draft_s[near] * k / near
 
     def step_seconds(self, rows: int, k: int) -> float:
-        return self.cost(rows, k + 1) + (self.draft_cost(k) + self.step_overhead(rows) if k else 0.0)
+        if not k:
+            return self.cost(rows, 1)
+        return self.cost(rows, 1 + self.verified_drafts(k)) + self.draft_cost(k) + self.step_overhead(rows)
+
+    def verified_drafts(self, k: int) -> float:
+        """Drafts per row a step of k verifies: observed, else k times the share verified at the nearest observed k."""
+        if k in self.verified or not self.verified:
+            return self.verified.get(k, k)
+        near = min(self.verified, key=lambda j: abs(j - k))
+        return k * self.verified[near] / near
+
+    def token_threshold(self, rows: int, k: int) -> float:
+        """The acceptance at which one more verified draft per row pays for itself: its share of the untruncated
+        verify forward's extra cost, in decode steps per row, since plain decoding makes a token per row and step."""
+        return (self.cost(rows, k + 1) / self.cost(rows, 1) - 1) / k
+
+    def verify_lengths(self, rows: int, k: int, lengths: torch.Tensor, confidence: torch.Tensor) -> torch.Tensor:
+        """How many of each row's drafts to verify (at most `lengths`): those whose calibrated acceptance, with the
+        drafts before them, reaches `token_threshold`. Probes verify all, and so does one step in `refresh_every`
+        at each row count."""
+        if not self.truncate or self.probing:
+            return lengths
+        since = self.since_full[rows] = self.since_full.get(rows, self.refresh_every - 1) + 1
+        if since >= self.refresh_every:
+            self.since_full[rows] = 0
+            return lengths
+        worth = self.calibration(confidence) >= self.token_threshold(rows, k)
+        return torch.minimum(lengths, worth.long().cumprod(-1).sum(-1))
 
     def tokens_per_second(self, rows: int, k: int) -> float:
         return rows * self.expected_tokens(k) / self.step_seconds(rows, k)
@@ -225,9 +264,11 @@ class SpeculationController:
         return min(self.probe_k, self.max_k)
 
     def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,
-                draft_s: float | None) -> None:
+                draft_s: float | None, fed: int | None = None, ragged: bool = False) -> None:
         """reached[i]/accepted[i]: rows for which draft position i was in play / accepted. draft_s: seconds of
-        the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting)."""
+        the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting). fed: tokens
+        the verify forward ran (default: all rows x (k + 1)); `ragged`: rows ran different numbers of them. Only
+        whole shapes enter the cost model, as the rows x tokens they were."""
         if k and self.cost.known():  # what the model, as it stands before this step, expects the step to save
             decode = self.cost(rows, 1)
             self.call.steps += 1
@@ -237,7 +278,12 @@ class SpeculationController:
             fade = min(1.0, self.memory / (self.trials[i] + reached[i])) if reached[i] else 1.0
             self.hits[i] = fade * (self.hits[i] + accepted[i])
             self.trials[i] = fade * (self.trials[i] + reached[i])
-        self.cost.observe(rows, k + 1, verify_s)
+        fed = rows * (k + 1) if fed is None else fed
+        if not ragged:  # a whole shape (rows x tokens), e.g. every row cut to the same drafts, or all dropped
+            self.cost.observe(rows, fed // rows, verify_s)
+        if k:
+            v, old = fed / rows - 1, self.verified.get(k)
+            self.verified[k] = v if old is None else 0.7 * old + 0.3 * v
         self.since_decode[rows] = self.since_decode.get(rows, 0) + 1 if k else 0
         if k and draft_s is not None:
             old = self.draft_s.get(k)

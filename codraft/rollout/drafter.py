@@ -26,6 +26,7 @@ class Proposal:
     lengths: torch.Tensor  # [B] long, valid proposals per row, <= k
     probs: torch.Tensor | None = None  # [B, k, N] draft distributions; None = point masses
     vocab: torch.Tensor | None = None  # [N] ascending target ids that probs cover (q = 0 elsewhere); None = all V
+    confidence: torch.Tensor | None = None  # [B, k'] the draft's probability of each token; None = unknown
 
 
 class Drafter:

@@ -213,20 +213,27 @@ def generate(
             stats.time_draft_backlog_s += t_verify - t_draft
             stats.backlog_proposals += 1
 
+        width, active = 0, None  # drafts fed per row; the tokens the forward runs (None: all fed)
         if proposal is not None:
             budget = limit - n_out - 1  # the step also emits one target token
             num_drafts = proposal.lengths.clamp(max=budget).clamp(min=0)
-            drafts = proposal.tokens[:, :k]
+            if controller is not None and proposal.confidence is not None:
+                num_drafts = controller.verify_lengths(live, k, num_drafts, proposal.confidence[:, :k])
+            width = int(num_drafts.max())
+            drafts = proposal.tokens[:, :width]
             feed = torch.cat([pending[:, None], drafts], dim=1)
+            fed = torch.arange(width + 1, device=device) <= num_drafts[:, None]  # a prefix of each row
+            if not bool(fed.all()):  # rows with fewer drafts than others pay only for their own tokens
+                active = fed.flatten().nonzero().squeeze(1)
         else:
             feed = pending[:, None]
-        fwd = model(feed, cache=cache, taps=taps)
+        fwd = model(feed, cache=cache, taps=taps, active=active)
         if proposal is not None:
             if params.greedy:  # argmax ids only; greedy log-probs are 0 (point masses)
                 verdict = verify_greedy(drafts, num_drafts, fwd.logits.argmax(-1))
             else:
-                target = probabilities(fwd.logits, params)  # [B, k+1, V]
-                draft_probs = proposal.probs[:, :k] if proposal.probs is not None else None
+                target = probabilities(fwd.logits, params)  # [B, width+1, V]
+                draft_probs = proposal.probs[:, :width] if proposal.probs is not None else None
                 verdict = verify(drafts, num_drafts, draft_probs, proposal.vocab, target, generator)
             accepted, nxt = verdict.num_accepted, verdict.next_token
             emitted = torch.cat([drafts, nxt[:, None]], dim=1)
@@ -235,12 +242,14 @@ def generate(
                 emitted_logprobs = torch.zeros(emitted.shape, device=device)
             else:
                 emitted_logprobs = target.gather(-1, emitted[..., None]).squeeze(-1).log()
+            if controller is not None and proposal.confidence is not None:
+                controller.calibration.observe(proposal.confidence[:, :k], num_drafts, accepted)
         else:
             accepted = torch.zeros(live, dtype=torch.long, device=device)
             nxt, nxt_logprob = draw(fwd.logits[:, 0], params, generator)
             emitted, emitted_logprobs = nxt[:, None], nxt_logprob[:, None]
         # positions past `accepted` hold junk that later steps overwrite
-        cols = n_out[:, None] + torch.arange(k + 1, device=device)
+        cols = n_out[:, None] + torch.arange(width + 1, device=device)
         tokens.scatter_(1, cols, emitted)
         logprobs.scatter_(1, cols, emitted_logprobs)
         cache.advance(accepted + 1)
@@ -250,7 +259,7 @@ def generate(
         stats.time_verify_s += time.perf_counter() - t_verify
 
         # stop tokens among the emitted ones end the row right after the first of them
-        in_step = torch.arange(k + 1, device=device)[None] <= accepted[:, None]
+        in_step = torch.arange(width + 1, device=device)[None] <= accepted[:, None]
         stop_hit = torch.isin(emitted, stop_ids) & in_step
         hit = stop_hit.any(-1)
         emitted_count = torch.where(hit, stop_hit.long().argmax(-1) + 1, accepted + 1)
@@ -265,6 +274,8 @@ def generate(
             num_drafts if k else None,
             time.perf_counter() - t_verify,
             t_verify - t_draft if caught_up else None,
+            live * (width + 1) if active is None else active.numel(),
+            active is not None,
         )
         caught_up = k > 0
         done = hit | (n_out >= limit)
@@ -294,6 +305,8 @@ def _count_step(
     num_drafts: torch.Tensor | None,
     verify_s: float,
     draft_s: float | None,
+    fed: int,
+    ragged: bool,
 ) -> None:
     stats.target_forwards += 1
     stats.row_verifies += live
@@ -301,7 +314,7 @@ def _count_step(
     stats.k_chosen.append(k)
     if not k:
         if controller is not None:
-            controller.observe(0, [], [], live, verify_s, draft_s)
+            controller.observe(0, [], [], live, verify_s, draft_s, fed, ragged)
         return
     positions = torch.arange(k, device=accepted.device)
     proposed = (num_drafts[:, None] > positions).sum(0).tolist()
@@ -311,4 +324,4 @@ def _count_step(
     stats.draft_tokens_accepted += int(accepted.sum())
     if controller is not None:
         reached = (accepted[:, None] >= positions).sum(0).tolist()
-        controller.observe(k, reached, accepted_at, live, verify_s, draft_s)
+        controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed, ragged)

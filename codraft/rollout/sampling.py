@@ -70,9 +70,13 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generato
 
 
 def draw_proposal(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
-    """A drafter's token per row of logits [..., N] and the distribution it was drawn from ([..., N] probs), or
-    None when greedy: a greedy draft is a point mass on its argmax, which is all verification needs."""
+    """A drafter's token per row of logits [..., N], the distribution it was drawn from ([..., N] probs, None when
+    greedy: a greedy draft is a point mass on its argmax, which is all verification needs) and the draft's
+    confidence in it ([...], its softmax probability at temperature 1 when greedy)."""
     if params.greedy:
-        return logits.argmax(-1), None
+        logits = logits.float()
+        top = logits.max(-1)
+        return top.indices, None, (top.values - logits.logsumexp(-1)).exp()
     probs = probabilities(logits, params)
-    return sample(probs, generator), probs
+    tokens = sample(probs, generator)
+    return tokens, probs, probs.gather(-1, tokens[..., None]).squeeze(-1)

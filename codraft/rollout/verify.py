@@ -43,7 +43,7 @@ def vocab_index(tokens: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tenso
     Ids outside `vocab` map to some column whose id differs; callers check `vocab[index] == tokens`."""
     if vocab is None:
         return tokens
-    return torch.searchsorted(vocab, tokens).clamp(max=vocab.numel() - 1)
+    return torch.searchsorted(vocab, tokens.contiguous()).clamp(max=vocab.numel() - 1)
 
 
 def verify(

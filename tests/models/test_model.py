@@ -144,3 +144,25 @@ def test_logits_at_rows_are_the_full_head_s_there_and_zero_elsewhere():
     torch.testing.assert_close(part[0, rows], full[0, rows])
     others = torch.ones(10, dtype=torch.bool).index_fill(0, rows, False)
     assert torch.equal(part[0, others], torch.zeros_like(part[0, others]))
+
+
+@torch.no_grad()
+def test_a_cached_forward_of_active_tokens_equals_the_full_one_on_them():
+    """Rows feeding a prefix of their tokens (3, 1 and 4 of 4): logits, hidden, taps and cache keys of those
+    tokens are the full forward's, and the others are zero."""
+    model = tiny(qk_norm=True, attention_bias=True)
+    ids = torch.randint(0, 97, (3, 4), generator=torch.Generator().manual_seed(3))
+    fed = torch.arange(4)[None] < torch.tensor([3, 1, 4])[:, None]
+    runs = []
+    for active in (None, fed.flatten().nonzero().squeeze(1)):
+        cache = model.new_cache(batch_size=3, max_len=16)
+        model(torch.tensor([[5, 6, 7, 8, 9]] * 3), cache=cache)
+        cache.lengths.fill_(5)
+        runs.append((model(ids, cache=cache, taps=[1], active=active), cache))
+    (full, full_cache), (part, part_cache) = runs
+    for name in ("logits", "hidden"):
+        torch.testing.assert_close(getattr(part, name)[fed], getattr(full, name)[fed])
+        assert not getattr(part, name)[~fed].any()
+    torch.testing.assert_close(part.taps[1][fed], full.taps[1][fed])
+    for b, n in enumerate([3, 1, 4]):
+        torch.testing.assert_close(part_cache.k[:, b, :, : 5 + n], full_cache.k[:, b, :, : 5 + n])

@@ -1,6 +1,7 @@
 import torch
 
 from codraft.models import ModelArgs, Transformer
+from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal
 
 
@@ -44,11 +45,28 @@ class SkewedDrafter(Drafter):
         self.rows = len(prompts)
 
     def propose(self, pending, k, probe=False):
-        tokens = torch.multinomial(self.q.expand(self.rows, -1), k, replacement=True, generator=self.g)
-        if self.vocab is not None:
-            tokens = self.vocab[tokens]
+        local = torch.multinomial(self.q.expand(self.rows, -1), k, replacement=True, generator=self.g)
+        tokens = local if self.vocab is None else self.vocab[local]
         probs = None if self.point_mass else self.q.expand(self.rows, k, -1).clone()
-        return Proposal(tokens=tokens, lengths=torch.full((self.rows,), k), probs=probs, vocab=self.vocab)
+        return Proposal(tokens=tokens, lengths=torch.full((self.rows,), k), probs=probs, vocab=self.vocab,
+                        confidence=self.q[local])
 
     def keep_rows(self, rows):
         self.rows = rows.numel()
+
+
+class Truncating(SpeculationController):
+    """Always drafts 2 (or `k`) and verifies each row's drafts only while their cumulative confidence reaches 0.3."""
+
+    def __init__(self, k: int = 2):
+        super().__init__(k)
+        self.fed: list[int] = []
+
+    def choose(self, rows):
+        return self.max_k
+
+    def token_threshold(self, rows, k):
+        return 0.3
+
+    def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+        self.fed.append(fed)

@@ -9,7 +9,7 @@ from codraft.rollout import Proposal, SamplingParams, SpeculationController, gen
 from codraft.rollout.drafters import NgramDrafter, PreviousRolloutDrafter
 from codraft.rollout.sampling import probabilities
 from codraft.rollout.verify import verify, verify_greedy
-from tests.rollout.conftest import SkewedDrafter, tiny_model
+from tests.rollout.conftest import SkewedDrafter, Truncating, tiny_model
 
 PROMPTS = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 10, 11, 12, 13], [20]]
 
@@ -145,6 +145,18 @@ def test_adaptive_speculation_keeps_greedy_output():
     assert set(spec.stats.k_chosen) <= set(range(5))
 
 
+def test_rows_verifying_fewer_drafts_than_others_keep_greedy_output():
+    """Per-row draft lengths from the draft's confidence: steps whose rows feed 0-4 drafts (the forward runs
+    only the tokens fed) emit exactly plain decoding's tokens."""
+    model = model_for_greedy()
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=24)
+    controller = Truncating(k=4)
+    spec = generate(model, PROMPTS, drafter=SkewedDrafter(model.args.vocab_size, point_mass=True),
+                    num_speculative_tokens=4, temperature=0, max_new_tokens=24, adaptive=controller)
+    assert spec.tokens == plain.tokens
+    assert any(f not in (len(PROMPTS), 5 * len(PROMPTS)) for f in controller.fed[1:])  # ragged steps ran
+
+
 def test_the_controller_audits_each_call_with_its_rows_decode_steps_and_seconds():
     class Recording(SpeculationController):
         def __init__(self):
@@ -180,9 +192,9 @@ def test_proposals_after_a_plain_step_are_counted_as_backlog():
             self.calls += 1
             return 2 * (self.calls % 2)  # 2, 0, 2, 0, ...: every proposal follows a plain step
 
-        def observe(self, k, reached, accepted, rows, verify_s, draft_s):
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
             self.draft_seen.append(draft_s)
-            super().observe(k, reached, accepted, rows, verify_s, draft_s)
+            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed, ragged)
 
     c = Alternating()
     out = generate(model, PROMPTS, drafter=SkewedDrafter(48), num_speculative_tokens=3, max_new_tokens=12, seed=0,

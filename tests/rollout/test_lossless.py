@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 
 from codraft.rollout import SamplingParams, generate
 from codraft.rollout.sampling import probabilities
-from tests.rollout.conftest import SkewedDrafter, tiny_model
+from tests.rollout.conftest import SkewedDrafter, Truncating, tiny_model
 
 V, PROMPT, N, ALPHA = 8, [2, 5, 3], 16000, 1e-3
 
@@ -41,7 +41,7 @@ def exact_with_stop(joint: torch.Tensor, stop: int) -> torch.Tensor:
 
 
 def sampled_counts(model, drafter, params: SamplingParams, draws: int, seed: int,
-                   stop: int | None = None) -> torch.Tensor:
+                   stop: int | None = None, adaptive: Truncating | bool = False) -> torch.Tensor:
     """Counts of the first three tokens [V]^3; with a `stop` token, of sequences that end there, [V+1]^3
     (index V after the end)."""
     counts = torch.zeros((V,) * 3 if stop is None else (V + 1,) * 3)
@@ -57,6 +57,7 @@ def sampled_counts(model, drafter, params: SamplingParams, draws: int, seed: int
             top_k=params.top_k,
             stop_token_ids=[] if stop is None else [stop],
             seed=seed + call,
+            adaptive=adaptive,
         )
         first3 = torch.tensor([(t + [V] * 3)[:3] for t in out.tokens])
         counts.index_put_((first3[:, 0], first3[:, 1], first3[:, 2]), torch.ones(len(first3)), accumulate=True)
@@ -126,3 +127,16 @@ def test_where_a_stop_token_ends_a_row_follows_the_target_distribution(point_mas
     counts = sampled_counts(model, drafter, params, N, seed=13, stop=stop)
     assert counts[stop, V, V] > 0 and counts[:V, stop, V].sum() > 0  # rows did end at the stop, at 1 and 2
     assert chi_square_pvalue(counts, exact_with_stop(joint, stop)) > ALPHA
+
+
+@pytest.mark.parametrize("point_mass", [False, True], ids=["probs", "point-mass"])
+def test_rows_verifying_fewer_drafts_than_others_follow_the_target_distribution(point_mass):
+    """Per-row draft lengths from the draft's confidence (rows with 0, 1 and 2 drafts in one forward, which runs
+    only the tokens fed): the choice reads the draft alone, so the output is still the target's."""
+    model = tiny_model(vocab_size=V, sharpen=2.0, tie_word_embeddings=False)
+    controller = Truncating()
+    counts = sampled_counts(model, SkewedDrafter(V, point_mass=point_mass), SamplingParams(1.0), N, seed=17,
+                            adaptive=controller)
+    full = 4000 * 3
+    assert any(f < full for f in controller.fed) and full in controller.fed  # ragged steps, and refreshes
+    assert chi_square_pvalue(counts, exact_joint(model, SamplingParams(1.0))) > ALPHA

@@ -1,0 +1,52 @@
+"""How likely a draft token is to be accepted, from the draft's own confidence.
+
+A row's i-th draft is kept only if it and every draft before it are accepted. The product of the draft's
+probabilities of those tokens (its cumulative confidence) ranks them well, but is no probability of
+acceptance: at T=0 a chain draft with cumulative confidence 0.1-0.2 was accepted 14% of the time, at T=1
+(where a token the draft found unlikely can still pass p/q) 30% (EAGLE-3 warm start, batch 8, k=4). So the
+acceptance of each confidence bucket is learned from the verify steps, starting from the confidence itself.
+
+Only verified drafts are observed: the controller verifies every draft now and then, so the buckets it
+truncates keep being measured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # upper edges of the cumulative-confidence buckets
+PRIOR = (0.01, 0.035, 0.075, 0.15, 0.25, 0.4, 0.6, 0.8, 0.95)  # each bucket's confidence: the prior estimate
+
+
+class DraftCalibration:
+    """P(draft i of a row is accepted, with all before it) per bucket of its cumulative confidence."""
+
+    def __init__(self, prior_weight: float = 2.0, memory: float = 64.0):
+        self.edges = torch.tensor(EDGES)
+        self.prior = torch.tensor(PRIOR, dtype=torch.float64)
+        self.prior_weight, self.memory = prior_weight, memory  # each bucket averages ~ its last `memory` drafts
+        self.hits = torch.zeros(len(PRIOR), dtype=torch.float64)
+        self.trials = torch.zeros(len(PRIOR), dtype=torch.float64)
+
+    def table(self) -> torch.Tensor:
+        """The estimate per bucket, made non-decreasing in confidence: a noisy low bucket must not keep a
+        draft that a more confident one would drop."""
+        estimate = (self.hits + self.prior_weight * self.prior) / (self.trials + self.prior_weight)
+        return estimate.cummax(0).values
+
+    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
+        """confidence [B, k] (each draft's own probability) -> estimated acceptance of each draft with those
+        before it [B, k]."""
+        cumulative = confidence.float().cumprod(-1)
+        return self.table().to(confidence.device)[torch.bucketize(cumulative, self.edges.to(confidence.device))]
+
+    def observe(self, confidence: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        """confidence [B, k]; the first verified[b] drafts of row b were verified and accepted[b] accepted."""
+        steps = torch.arange(confidence.shape[1], device=confidence.device)
+        seen = steps < verified[:, None]
+        buckets = torch.bucketize(confidence.float().cumprod(-1)[seen], self.edges.to(confidence.device)).cpu()
+        kept = (steps < accepted[:, None])[seen].double().cpu()
+        trials = torch.bincount(buckets, minlength=len(PRIOR)).double()
+        hits = torch.bincount(buckets, weights=kept, minlength=len(PRIOR))
+        fade = (self.memory / (self.trials + trials).clamp(min=1e-9)).clamp(max=1.0)
+        self.hits, self.trials = fade * (self.hits + hits), fade * (self.trials + trials)
