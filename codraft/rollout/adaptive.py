@@ -30,6 +30,9 @@ speculative steps is a per-step overhead, kept per batch size: backlog absorbs, 
 rows that speculation moved ahead unevenly, acceptance that fell faster than
 its estimate. At batch 32 on this CPU those made speculative steps that each
 paid by the model lose as a whole call.
+
+After each proposal, `verify_lengths` cuts each row's drafts at the first whose calibrated acceptance
+(calibration.py) does not pay for its share of the verify forward, and the forward runs only the tokens fed.
 """
 
 from __future__ import annotations

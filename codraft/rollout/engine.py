@@ -3,7 +3,8 @@
 Row state lives in tensors (pending token, tokens out so far, the target's KV
 cache with per-row lengths), so one step is the same few tensor ops for every
 row; Python touches single rows only when they finish and leave the batch.
-Each step feeds [pending, d_1..d_k] per row to the target in one forward,
+Each step feeds [pending, d_1..d_n] per row (n <= k, the controller may cut a row's drafts, and
+the forward then runs only the tokens fed) to the target in one forward,
 verifies (verify.py), keeps the pending token and the accepted drafts in the
 cache and makes the correction/bonus token the next pending one.
 """
