@@ -75,6 +75,9 @@ def _usable(proposal: Proposal, rows: int, k: int, vocab_size: int) -> str | Non
     tokens, lengths, probs, vocab = proposal.tokens, proposal.lengths, proposal.probs, proposal.vocab
     if tokens.dim() != 2 or tokens.shape[0] != rows or lengths.shape != (rows,):
         return f"tokens {tuple(tokens.shape)} / lengths {tuple(lengths.shape)} do not fit {rows} rows"
+    confidence = proposal.confidence
+    if confidence is not None and confidence.shape != tokens.shape:
+        return f"confidence {tuple(confidence.shape)} does not match tokens {tuple(tokens.shape)}"
     width = vocab_size if vocab is None else vocab.numel()
     if probs is not None and probs.shape != (*tokens.shape, width):
         return f"probs {tuple(probs.shape)} do not match tokens {tuple(tokens.shape)} x vocab {width}"
@@ -82,7 +85,9 @@ def _usable(proposal: Proposal, rows: int, k: int, vocab_size: int) -> str | Non
         return f"vocab {tuple(vocab.shape)} is not a list of at most {vocab_size} target ids"
     valid = torch.arange(tokens.shape[1], device=tokens.device) < lengths[:, None]
     checks = [((lengths < 0) | (lengths > min(k, tokens.shape[1]))).any(),
-              ((tokens < 0) | (tokens >= vocab_size))[valid].any()]
+              ((tokens < 0) | (tokens >= vocab_size))[valid].any(),
+              ~((confidence >= 0) & (confidence <= 1))[valid].all() if confidence is not None
+              else tokens.new_zeros((), dtype=torch.bool)]
     if probs is not None:
         index = vocab_index(tokens.clamp(0, vocab_size - 1), vocab)
         q = probs.gather(-1, index[..., None]).squeeze(-1)[valid]
@@ -91,7 +96,8 @@ def _usable(proposal: Proposal, rows: int, k: int, vocab_size: int) -> str | Non
         checks += [~torch.isfinite(sums).all() | (low < 0).any(), ((sums - 1).abs() > 1e-3).any(),
                    off_vocab | (q <= 0).any()]
     failed = torch.stack(checks).tolist()
-    reasons = [f"lengths outside [0, {k}]", f"token ids outside [0, {vocab_size})", "probs are negative or not finite",
+    reasons = [f"lengths outside [0, {k}]", f"token ids outside [0, {vocab_size})", "confidence outside [0, 1]",
+               "probs are negative or not finite",
                "probs do not sum to 1", "a proposed token has zero draft probability"]
     return next((why for why, bad in zip(reasons, failed, strict=False) if bad), None)
 

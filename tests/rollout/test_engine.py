@@ -218,18 +218,24 @@ class Broken(SkewedDrafter):
             return Proposal(tokens=p.tokens[:, :1].T, lengths=p.lengths, probs=None)
         elif self.fault == "zero-sum":
             p.probs.zero_()
+        elif self.fault == "confidence-nan":
+            p.confidence[:, 0] = float("nan")
+        elif self.fault == "confidence-shape":
+            p.confidence = p.confidence[:, :1]
         elif self.fault == "off-draft-vocab":  # q over a reduced vocab that does not hold the proposed token
             vocab = torch.tensor([t for t in range(p.probs.shape[-1]) if t != int(p.tokens[0, 0])])
             return Proposal(p.tokens, p.lengths, p.probs[..., vocab].softmax(-1), vocab=vocab)
         return p
 
 
-@pytest.mark.parametrize("fault", ["nan", "vocab", "shape", "zero-sum", "off-draft-vocab"])
+@pytest.mark.parametrize("fault", ["nan", "vocab", "shape", "zero-sum", "off-draft-vocab", "confidence-nan",
+                                   "confidence-shape"])
 def test_malformed_proposals_fall_back_to_plain_decoding(fault, caplog):
     model = model_for_greedy()
     plain = generate(model, PROMPTS, temperature=0, max_new_tokens=8)
-    with caplog.at_level(logging.WARNING):
-        out = generate(model, PROMPTS, drafter=Broken(48, fault), temperature=0, max_new_tokens=8)
+    with caplog.at_level(logging.WARNING):  # with the controller, which reads the confidence
+        out = generate(model, PROMPTS, drafter=Broken(48, fault), temperature=0, max_new_tokens=8,
+                       adaptive=Truncating(k=4))
     assert out.tokens == plain.tokens
     assert out.stats.malformed_proposals > 0
     assert "drafter proposal rejected" in caplog.text
