@@ -2,9 +2,10 @@
 
 A row's i-th draft is kept only if it and every draft before it are accepted. The product of the draft's
 probabilities of those tokens (its cumulative confidence) ranks them well, but is no probability of
-acceptance: at T=0 a chain draft with cumulative confidence 0.1-0.2 was accepted 14% of the time, at T=1
-(where a token the draft found unlikely can still pass p/q) 30% (EAGLE-3 warm start, batch 8, k=4). So the
-acceptance of each confidence bucket is learned from the verify steps, starting from the confidence itself.
+acceptance: drafts with cumulative confidence 0.1-0.2 were accepted 14% of the time at T=0 and 30% at T=1,
+where a token the draft found unlikely can still pass p/q (the default arithmetic EAGLE-3 warm start, batch 8,
+k=4). So the acceptance of each confidence bucket is learned from the verify steps, starting from the
+confidence itself.
 
 Only verified drafts are observed: the controller verifies every draft now and then, so the buckets it
 truncates keep being measured.
