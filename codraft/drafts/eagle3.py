@@ -233,10 +233,9 @@ class Eagle3Draft(DraftModel):
                 hidden = self._cached_forward(state, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
         B = pending.shape[0]
         lengths = torch.full((B,), k, dtype=torch.long, device=pending.device)
-        confidence = torch.stack(confidence, 1)
-        if params.greedy:
-            return Proposal(torch.stack(tokens, 1), lengths, confidence=confidence)
-        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1), vocab=vocab, confidence=confidence)
+        sampled = not params.greedy
+        return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1) if sampled else None,
+                        vocab=vocab if sampled else None, confidence=torch.stack(confidence, 1))
 
     def _absorb(self, state: DraftState, pending: torch.Tensor) -> torch.Tensor:
         """One ragged forward over the pairs (f_j, x_{j+1}) of every row's fresh tokens -> hidden [B, H]

@@ -200,6 +200,7 @@ def generate(
     if bool(done.any()):
         retire(done, hit_stop)
 
+    steps = torch.arange(k_max + 1, device=device)  # a step's token slots: the pending token, then the drafts
     caught_up = False  # the drafter absorbed everything up to the last step (False: the prompt is pending)
     while rows.numel():
         live = rows.numel()
@@ -222,14 +223,15 @@ def generate(
 
         width, active = 0, None  # drafts fed per row; the tokens the forward runs (None: all fed)
         if proposal is not None:
+            confidence = proposal.confidence[:, :k] if proposal.confidence is not None else None
             budget = limit - n_out - 1  # the step also emits one target token
             num_drafts = proposal.lengths.clamp(max=budget).clamp(min=0)
-            if controller is not None and proposal.confidence is not None:
-                num_drafts = controller.verify_lengths(live, k, num_drafts, proposal.confidence[:, :k])
+            if controller is not None and confidence is not None:
+                num_drafts = controller.verify_lengths(live, k, num_drafts, confidence)
             width = int(num_drafts.max())
             drafts = proposal.tokens[:, :width]
             feed = torch.cat([pending[:, None], drafts], dim=1)
-            fed = torch.arange(width + 1, device=device) <= num_drafts[:, None]  # a prefix of each row
+            fed = steps[: width + 1] <= num_drafts[:, None]  # a prefix of each row
             if not bool(fed.all()):  # rows with fewer drafts than others pay only for their own tokens
                 active = fed.flatten().nonzero().squeeze(1)
         else:
@@ -249,14 +251,14 @@ def generate(
                 emitted_logprobs = torch.zeros(emitted.shape, device=device)
             else:
                 emitted_logprobs = target.gather(-1, emitted[..., None]).squeeze(-1).log()
-            if controller is not None and proposal.confidence is not None:
-                controller.calibration.observe(proposal.confidence[:, :k], num_drafts, accepted)
+            if controller is not None and confidence is not None:
+                controller.calibration.observe(confidence, num_drafts, accepted)
         else:
             accepted = torch.zeros(live, dtype=torch.long, device=device)
             nxt, nxt_logprob = draw(fwd.logits[:, 0], params, generator)
             emitted, emitted_logprobs = nxt[:, None], nxt_logprob[:, None]
         # positions past `accepted` hold junk that later steps overwrite
-        cols = n_out[:, None] + torch.arange(width + 1, device=device)
+        cols = n_out[:, None] + steps[: width + 1]
         tokens.scatter_(1, cols, emitted)
         logprobs.scatter_(1, cols, emitted_logprobs)
         cache.advance(accepted + 1)
@@ -266,7 +268,7 @@ def generate(
         stats.time_verify_s += time.perf_counter() - t_verify
 
         # stop tokens among the emitted ones end the row right after the first of them
-        in_step = torch.arange(width + 1, device=device)[None] <= accepted[:, None]
+        in_step = steps[None, : width + 1] <= accepted[:, None]
         stop_hit = torch.isin(emitted, stop_ids) & in_step
         hit = stop_hit.any(-1)
         emitted_count = torch.where(hit, stop_hit.long().argmax(-1) + 1, accepted + 1)
