@@ -35,7 +35,8 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    if params.temperature != 1:
+        logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,9 +51,20 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of probs [..., V] -> [...] long."""
+    """One draw per row of probs [..., V] (non-negative, any positive sum) -> [...] long.
+
+    By the inverse CDF: one uniform per row against the row's running sum, in fp64 so that every token's
+    interval is its probability to ~1e-16 and a zero-probability token has an empty one. `torch.multinomial`
+    draws one exponential per vocabulary entry on one core: on this project's 2-core CPU it took 1.1 ms per row
+    of SmolLM2's 49,152 ids (8.6 ms at 8 rows, 32 ms at 32: a sixth and a third of a decode step), this 0.1-1.3 ms.
+    """
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    cdf = flat.double().cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * total
+    # token i owns [cdf[i-1], cdf[i]); u < total keeps zero-probability tokens at the end out of reach too
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).view(probs.shape[:-1])
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):

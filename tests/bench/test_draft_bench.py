@@ -57,8 +57,9 @@ def test_bench_draft_on_the_chain_task_with_stop_tokens(tmp_path):
 
 
 def tiny_policy_and_draft():
-    """A tiny policy that stops often (six EOS ids), so sampled rows end at many different lengths."""
-    model = tiny_model(vocab_size=48, sharpen=3.0, tie_word_embeddings=False, eos_token_id=list(range(1, 7)))
+    """A tiny policy that stops often (twelve of its 48 ids are EOS), so sampled rows end at many different lengths
+    and hardly ever all reach the cap."""
+    model = tiny_model(vocab_size=48, sharpen=3.0, tie_word_embeddings=False, eos_token_id=list(range(1, 13)))
     return model, build_draft(DraftConfig(family="eagle3", draft_vocab_size=0), model).eval()
 
 
