@@ -61,6 +61,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     flat = probs.reshape(-1, probs.shape[-1])
     cdf = flat.double().cumsum(-1)
     total = cdf[:, -1:]
+    # torch.multinomial raised on such rows; a search would quietly return an index (NaN propagates to the total)
+    usable = torch.isfinite(total) & (total > 0)
+    if not bool(usable.all()):
+        bad = int((~usable).flatten().nonzero()[0])
+        raise ValueError(f"sample: row {bad} of probs has no positive finite mass (total {float(total[bad])}); "
+                         "every row needs non-negative entries with a positive sum")
     u = torch.rand(flat.shape[0], 1, generator=generator, dtype=torch.float64, device=flat.device) * total
     # token i owns [cdf[i-1], cdf[i]); u < total keeps zero-probability tokens at the end out of reach too
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))

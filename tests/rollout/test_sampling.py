@@ -56,3 +56,11 @@ def test_point_masses_and_a_zero_last_token():
     # the last token's probability is 0 while the top of the uniform's range reaches the total
     edge = torch.tensor([[1.0, 0.0], [0.5, 0.0]]).repeat(5000, 1)
     assert int(sample(edge, torch.Generator().manual_seed(0)).max()) == 0
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [float("inf"), 0.0, 1.0]],
+                         ids=["zeros", "nan", "inf"])
+def test_a_row_without_usable_mass_is_an_error_not_a_token(row):
+    probs = torch.tensor([[0.2, 0.3, 0.5], row])
+    with pytest.raises(ValueError, match="row 1 of probs has no positive finite mass"):
+        sample(probs, None)
