@@ -319,3 +319,32 @@ def test_an_untrained_learned_draft_with_adaptive_k_keeps_greedy_output():
     spec = generate(model, PROMPTS, drafter=draft.drafter(), num_speculative_tokens=4, temperature=0,
                     max_new_tokens=40, stop_token_ids=[], adaptive=True)
     assert spec.tokens == plain.tokens
+
+
+def test_a_prompt_repeated_across_rows_is_prefilled_once_and_each_row_decodes_as_alone():
+    """A GRPO group repeats its prompt: the prefill runs each distinct prompt once, and every row's cache, first
+    token and draft state are then its own (rows sample apart at T > 0; greedy rows equal the prompt alone)."""
+    from codraft.config import DraftConfig
+    from codraft.drafts import build_draft
+
+    model = model_for_greedy()
+    draft = build_draft(DraftConfig(family="eagle3", draft_vocab_size=0), model).eval()
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[0], PROMPTS[0], PROMPTS[2]]
+    prefill_rows = []
+    hook = model.register_forward_pre_hook(lambda _, args: prefill_rows.append(args[0].shape) if args else None)
+    try:
+        greedy = generate(model, prompts, drafter=draft.drafter(), num_speculative_tokens=3, temperature=0,
+                          max_new_tokens=20, stop_token_ids=[])
+    finally:
+        hook.remove()
+    assert prefill_rows[0] == (2, len(PROMPTS[2]))  # the two distinct prompts, padded to the longer
+    for prompt, tokens in zip(prompts, greedy.tokens, strict=True):
+        assert tokens == generate(model, [prompt], temperature=0, max_new_tokens=20, stop_token_ids=[]).tokens[0]
+    sampled = generate(model, prompts, drafter=draft.drafter(), num_speculative_tokens=3, temperature=1.0,
+                       max_new_tokens=20, stop_token_ids=[], seed=0)
+    assert len({tuple(sampled.tokens[i]) for i in (0, 2, 3)}) > 1  # one prompt's rows draw their own tokens
+    for prompt, tokens, logprobs in zip(prompts, sampled.tokens, sampled.logprobs, strict=True):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=1e-4)
