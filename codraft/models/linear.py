@@ -5,7 +5,11 @@ costs 1.5-2x its 1-row GEMV on this machine, so a verify forward of k+1 tokens
 cost far more than a decode step. oneDNN's kernel over a weight reordered once
 into its blocked layout reads the weight once at any small row count (measured
 on SmolLM2-135M's 211 matmuls: 1 row 45 -> 25 ms, 4 rows 61 -> 28 ms, 32 rows
-108 -> 55 ms), and its rows do not depend on how many rows share the call.
+108 -> 55 ms). A row's output is not always bitwise the same at every row count: with torch 2.13 on
+this host, a 1536-input weight (SmolLM2's down projection) rounded a row differently alone than beside
+others (up to ~1e-4; the same at 2 to 64 rows), so a decode step and a verify forward can differ in the last
+bits: greedy speculation equals plain decoding but at near-ties of the argmax (every bench so far gave the
+same greedy tokens).
 
 `pack_linears(module)` makes the copies (one per Linear or FusedLinears group,
 the weights' versions and addresses recorded); a copy is used only while autograd
