@@ -26,7 +26,7 @@ from codraft.models.cache_attention import CacheMask
 from codraft.models.cache_attention import cache_attention as attend_cache
 from codraft.models.linear import packed_dtype
 from codraft.models.model import packed_positions
-from codraft.rollout.drafter import Drafter, Proposal
+from codraft.rollout.drafter import Drafter, Proposal, right_padded
 from codraft.rollout.sampling import SamplingParams
 
 
@@ -323,10 +323,7 @@ class LearnedDrafter(Drafter):
     def start(self, prompts: list[list[int]], taps: dict[int, torch.Tensor], params: SamplingParams,
               max_len: int, generator: torch.Generator | None = None) -> None:
         self.params = params
-        ids = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p)
-        lengths = torch.tensor([len(p) for p in prompts])
+        ids, lengths = right_padded(prompts)
         self.state = self.draft.new_state(len(prompts), max_len)
         self.state.generator = generator
         concat = self.draft.concat_taps(taps)

@@ -20,6 +20,16 @@ from torch import nn
 from codraft.rollout.sampling import SamplingParams
 
 
+def right_padded(prompts: list[list[int]], device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as ids [B, longest] (right-padded with 0) and their lengths [B]: the prompts as the engine's
+    prefill and a drafter's start read them."""
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    return ids, lengths
+
+
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [B, k'] long, k' <= k (entries past `lengths` are ignored)

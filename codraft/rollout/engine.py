@@ -20,7 +20,7 @@ import torch
 from codraft.models import KVCache, Transformer
 from codraft.models.linear import pack_linears, unpack_linears
 from codraft.rollout.adaptive import SpeculationController
-from codraft.rollout.drafter import Drafter, Proposal
+from codraft.rollout.drafter import Drafter, Proposal, right_padded
 from codraft.rollout.sampling import SamplingParams, draw, probabilities
 from codraft.rollout.stats import RolloutStats
 from codraft.rollout.verify import verify, verify_greedy, vocab_index
@@ -113,11 +113,8 @@ def _prefill(model: Transformer, prompts: list[list[int]], room: int, taps: tupl
     device = next(model.parameters()).device
     index: dict[tuple[int, ...], int] = {}
     rows = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts], device=device)
-    distinct = list(index)  # in order of their index
-    lengths = torch.tensor([len(p) for p in distinct], device=device)
-    ids = torch.zeros(len(distinct), int(lengths.max()), dtype=torch.long, device=device)
-    for i, p in enumerate(distinct):
-        ids[i, : len(p)] = torch.tensor(p)
+    distinct = [list(p) for p in index]  # in order of their index
+    ids, lengths = right_padded(distinct, device)
     cache = model.new_cache(len(distinct), ids.shape[1] + room)
     out = model(ids, cache=cache, taps=taps, compute_logits=False)
     cache.lengths.copy_(lengths)
