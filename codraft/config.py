@@ -228,6 +228,9 @@ class RLConfig:
     is_correction: Literal["none", "tis", "token-clip"] = "tis"
     is_cap: float = 2.0
     draft_weight: float = 0.1  # lambda in L = L_RL + lambda * L_draft
+    # in co-training (autocast; the policy, weights, optimizer state, losses and attention stay fp32; the e2e
+    # workload's draft training took 0.63x its fp32 time). CP/PP shards then round differently from one process
+    draft_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # draft's matmuls; auto: bf16 where native
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
     max_dropped_share: float = 0.5  # a step "trains nothing" when more than this share of samples has no reward

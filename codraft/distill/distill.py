@@ -22,8 +22,8 @@ import torch
 from codraft.config import Config, DraftTrainConfig
 from codraft.distill.responses import policy_responses
 from codraft.drafts import DraftBatch, DraftModel, build_draft
+from codraft.drafts.autocast import training_autocast
 from codraft.models import Tokenizer, Transformer
-from codraft.models.linear import packed_dtype
 from codraft.observability import progress
 from codraft.rl.batch import pack_rollouts, whole_view
 from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task
@@ -119,18 +119,6 @@ class Distiller:
         self.order: list[int] = []
         self.skipped_steps = 0
 
-    def autocast(self) -> torch.autocast:
-        """bf16 matmuls for the draft's forward under `draft_train.matmul_dtype` (auto: where the device has
-        bf16 arithmetic: a CUDA device that supports it, a CPU with AVX-512 BF16 or AMX)."""
-        weight = self.draft.fusion.fc.weight
-        setting = self.dt.matmul_dtype
-        if setting == "auto":
-            native = (torch.cuda.is_bf16_supported() if weight.device.type == "cuda"
-                      else packed_dtype("auto", weight.dtype) == torch.bfloat16)
-            setting = "bfloat16" if native else "float32"
-        return torch.autocast(weight.device.type, dtype=torch.bfloat16,
-                              enabled=setting == "bfloat16" and weight.dtype == torch.float32)
-
     def next_rows(self) -> list[int]:
         rows = []
         while len(rows) < min(self.dt.batch_size, len(self.prompts)):
@@ -148,7 +136,7 @@ class Distiller:
     def step(self) -> dict[str, float]:
         batch = self.batch(self.next_rows())
         self.draft.train()
-        with self.autocast():
+        with training_autocast(self.draft, self.dt.matmul_dtype):
             loss, metrics = self.draft.loss(batch)
         if not torch.isfinite(loss):  # e.g. no DFlash block fits in these responses
             self.skipped_steps += 1

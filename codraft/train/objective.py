@@ -16,7 +16,8 @@ backward (`finite`); a non-finite draft loss is left out of the draft update (`s
 policy's; the ratio's old log-probs are the first pass's own (detached), kept per microbatch for the later
 optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-probs of the same tokens
 (train/reference.py: no gradient, computed once per update before the forward/backward) enter the k3 KL term
-(metric kl/ref).
+(metric kl/ref); the draft's loss runs its matmuls under `rl.draft_matmul_dtype` (drafts/autocast.py), the RL
+loss never.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
+from codraft.drafts.autocast import training_autocast
 from codraft.parallel.collectives import sum_over_replicas
 from codraft.parallel.mesh import ParallelDims
 from codraft.rl.batch import Microbatch, per_sequence
@@ -86,7 +88,8 @@ class JointObjective:
         return loss
 
     def _draft_loss(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
-        loss, metrics = self.draft.loss(self.microbatches[m].view.draft_batch(taps, logits))
+        with training_autocast(self.draft, self.rl.draft_matmul_dtype):
+            loss, metrics = self.draft.loss(self.microbatches[m].view.draft_batch(taps, logits))
         if not torch.isfinite(loss):  # a broken draft may cost acceptance, never the policy
             self.skipped_draft += 1
             return loss.new_zeros(())

@@ -140,9 +140,9 @@ def test_bf16_matmuls_in_distillation_keep_the_fp32_loss_and_gradients(family):
     and the gradients' directions are the fp32 ones up to bf16 rounding; float32 turns it off."""
     import torch
 
-    from codraft.config import DraftTrainConfig
-    from codraft.distill.distill import Distiller, draft_batch
+    from codraft.distill.distill import draft_batch
     from codraft.drafts import build_draft
+    from codraft.drafts.autocast import training_autocast
     from tests.drafts.blocks import draft_config, tiny_policy
 
     policy = tiny_policy(dtype=torch.float32)
@@ -153,11 +153,9 @@ def test_bf16_matmuls_in_distillation_keep_the_fp32_loss_and_gradients(family):
     batch = draft_batch(policy, draft, prompts, completions)
 
     def loss_and_grads(matmul_dtype):
-        dt = DraftTrainConfig(matmul_dtype=matmul_dtype, cache_policy_outputs=False)
-        distiller = Distiller(policy, draft, prompts, completions, dt, seed=0)
         torch.manual_seed(7)  # the same DFlash anchors on both sides
         draft.zero_grad(set_to_none=True)
-        with distiller.autocast():
+        with training_autocast(draft, matmul_dtype):
             loss, _ = draft.loss(batch)
             autocast = torch.is_autocast_enabled("cpu")
         loss.backward()

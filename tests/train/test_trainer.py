@@ -120,6 +120,25 @@ def step_grads(cfg, tmp_path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
+def test_bf16_draft_matmuls_in_co_training_keep_the_policy_gradient_and_the_draft_s_direction(tmp_path):
+    """rl.draft_matmul_dtype=bfloat16 autocasts the draft's loss only: the policy's gradients are bitwise the
+    fp32 run's, the draft's differ by bf16 rounding (so the setting took effect) and point the same way."""
+    grads = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(None, [*TINY, "draft.family=eagle3", "rl.draft_weight=1.0", f"rl.draft_matmul_dtype={dtype}",
+                                 "rl.drift_every=0", "rl.measure_speedup_every=0", f"run.dir={tmp_path / dtype}"])
+        grads[dtype] = step_grads(cfg, tmp_path / dtype)
+    fp32, bf16 = grads["float32"], grads["bfloat16"]
+    assert fp32.keys() == bf16.keys()
+    for name in (n for n in fp32 if n.startswith("policy.")):
+        assert torch.equal(fp32[name], bf16[name]), name
+    draft = [n for n in fp32 if n.startswith("draft.")]
+    flat = {d: torch.cat([g[n].flatten() for n in draft]) for d, g in grads.items()}
+    assert not torch.equal(flat["float32"], flat["bfloat16"])
+    assert torch.nn.functional.cosine_similarity(flat["float32"], flat["bfloat16"], dim=0) > 0.99
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
 @pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
 def test_the_head_on_response_rows_only_gives_the_full_head_s_gradients(tmp_path, family, monkeypatch):
     cfg = load_config(None, [*TINY, f"draft.family={family}", "rl.drift_every=0", "rl.measure_speedup_every=0",
