@@ -12,6 +12,7 @@ calls per verify step:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ from torch import nn
 from codraft.rollout.sampling import SamplingParams
 
 
-def right_padded(prompts: list[list[int]], device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def right_padded(prompts: Sequence[Sequence[int]], device: torch.device | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists as ids [B, longest] (right-padded with 0) and their lengths [B]: the prompts as the engine's
     prefill and a drafter's start read them."""
     lengths = torch.tensor([len(p) for p in prompts], device=device)

@@ -113,13 +113,12 @@ def _prefill(model: Transformer, prompts: list[list[int]], room: int, taps: tupl
     device = next(model.parameters()).device
     index: dict[tuple[int, ...], int] = {}
     rows = torch.tensor([index.setdefault(tuple(p), len(index)) for p in prompts], device=device)
-    distinct = [list(p) for p in index]  # in order of their index
-    ids, lengths = right_padded(distinct, device)
-    cache = model.new_cache(len(distinct), ids.shape[1] + room)
+    ids, lengths = right_padded(list(index), device)  # the distinct prompts, in order of their index
+    cache = model.new_cache(len(index), ids.shape[1] + room)
     out = model(ids, cache=cache, taps=taps, compute_logits=False)
     cache.lengths.copy_(lengths)
-    last = out.hidden[torch.arange(len(distinct), device=device), lengths - 1]
-    if len(distinct) == len(prompts):
+    last = out.hidden[torch.arange(len(index), device=device), lengths - 1]
+    if len(index) == len(prompts):
         return cache, last, out.taps
     cache.keep_rows(rows)
     return cache, last[rows], {layer: t[rows] for layer, t in out.taps.items()}
