@@ -13,6 +13,9 @@ With stop tokens on, sampled (T > 0) runs also end at different lengths, so besi
 run decodes, in each round after the adaptive run, with stop tokens off and every row limited to the length
 the adaptive run gave it in that round (plain decoding's cost depends on token counts and contexts, not on which
 tokens); its speedup is the median over rounds of that run's time / the adaptive run's time.
+Beside it the decode phase alone (each round's prefill seconds taken out of its time) and the prefill's share of
+plain decoding's time: at 48 new tokens a batch of 8 spends about a third of its time in the prefill, which a
+draft cannot shorten.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
 at fixed k, as a share of a plain decode step at the same batch; the first proposal of each call, which absorbs
 the prompt, is counted as prefill.
@@ -153,14 +156,32 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
     return per_proposal / (sum(ks) / len(ks) if per_token else 1) / decode_s  # fixed k: every proposal drafts k
 
 
+def prefill_recorded(runs: dict[str, Callable[[], Rollout]]
+                     ) -> tuple[dict[str, Callable[[], Rollout]], dict[str, list[float]]]:
+    """`runs`, each appending its output's prefill seconds to a list per run (one entry per call, warm-up first)."""
+    prefill: dict[str, list[float]] = {name: [] for name in runs}
+
+    def recorded(name: str, run: Callable[[], Rollout]) -> Rollout:
+        out = run()
+        prefill[name].append(out.stats.time_prefill_s)
+        return out
+
+    return {name: (lambda name=name, run=run: recorded(name, run)) for name, run in runs.items()}, prefill
+
+
 def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, batch: int, k: int,
                     max_new_tokens: int, repeats: int, stop_tokens: bool = False) -> dict:
     groups = prompt_groups(prompts, batch)
-    times, outputs = interleaved(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens), repeats)
+    runs, prefill = prefill_recorded(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens))
+    times, outputs = interleaved(runs, repeats)
+    # the decode phase alone: each round's seconds less its prefill (the same work with and without a draft, and a
+    # large share of a short generation at a large batch)
+    decode_times = {name: [t - p for t, p in zip(ts, prefill[name][1:], strict=True)] for name, ts in times.items()}
     # every repeat of a run emits the same tokens (seeded), except sampled adaptive runs, whose k (chosen from
     # timings) moves the random draws; with stop tokens on, sampled runs differ in length (tokens/s: last round's)
     tps = {name: outputs[name].stats.tokens_generated / median(ts) for name, ts in times.items()}
     result = {"batch": batch, "prompt_groups": len(groups), "times_s": times, "tokens_per_s": tps,
+              "prefill_s": {name: ps[1:] for name, ps in prefill.items()},
               "greedy_tokens_identical": all(outputs[f"{v}_t0"].tokens == outputs["ar_t0"].tokens
                                              for v in ("spec", "fixed"))}
     for t in EVAL_TEMPERATURES:
@@ -168,6 +189,10 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
             run = outputs[f"{variant}_t{t:g}"]
             result[f"{variant}_speedup_t{t:g}"] = tps[f"{variant}_t{t:g}"] / tps[f"ar_t{t:g}"]
             result[f"{variant}_tau_t{t:g}"] = run.stats.acceptance_length
+        result[f"spec_speedup_decode_t{t:g}"] = (
+            outputs[f"spec_t{t:g}"].stats.tokens_generated / median(decode_times[f"spec_t{t:g}"])
+            / (outputs[f"ar_t{t:g}"].stats.tokens_generated / median(decode_times[f"ar_t{t:g}"])))
+        result[f"prefill_share_t{t:g}"] = median(prefill[f"ar_t{t:g}"][1:]) / median(times[f"ar_t{t:g}"])
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")
@@ -208,19 +233,23 @@ def tables(payload: dict) -> str:
     unit = "token" if payload["family"] == "eagle3" else "block"
     nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match
     rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],
-             r[f"spec_speedup_t{t:g}"], r["tokens_per_s"].get(f"ar_matched_t{t:g}", nan),
+             r[f"spec_speedup_t{t:g}"], r.get(f"prefill_share_t{t:g}", nan), r.get(f"spec_speedup_decode_t{t:g}", nan),
+             r["tokens_per_s"].get(f"ar_matched_t{t:g}", nan),
              r.get(f"spec_speedup_length_matched_t{t:g}", nan), r[f"spec_tau_t{t:g}"],
              str(r[f"spec_k_histogram_t{t:g}"]), r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"],
              r[f"draft_cost_share_t{t:g}"],
              r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
-    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup",
+    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "prefill share of AR time",
+                            "adaptive speedup, decode only",
                             "length-matched AR tok/s", "adaptive speedup, length-matched", "adaptive tau",
                             "adaptive k used", f"k={k} speedup", f"k={k} tau", f"draft cost / decode step (per {unit})",
                             "greedy tokens identical"], rows)
     stops = "stop tokens on: rows end at EOS" if payload.get("stop_tokens") else "stop tokens off"
     text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row at most " \
             f"({stops}), speedup = tokens/s ratio, medians of {payload['repeats']} interleaved repeats; each timed " \
-            f"run decodes up to {SPEED_GROUPS} batches of distinct held-out prompts one after the other.\n"
+            f"run decodes up to {SPEED_GROUPS} batches of distinct held-out prompts one after the other.\n" \
+            "Decode only: the same with each round's prefill seconds taken out of its time (the prefill is the same " \
+            "work with and without a draft); prefill share: the plain run's prefill seconds / its time, medians.\n"
     if payload.get("stop_tokens"):
         text += "Length-matched (T > 0): plain decoding with stop tokens off and each row limited to the length the " \
                 "adaptive run gave it in the same round; its speedup is the median over rounds of that run's time / " \

@@ -98,3 +98,20 @@ def test_bench_draft_reports_the_length_matched_speedup_in_json_and_table(tmp_pa
     assert tokens["spec"] == tokens["ar_matched"] < 4 * 16  # some rows stopped early, and plain matched them
     assert tokens["ar_matched"] == pytest.approx(
         speed["tokens_per_s"]["ar_matched_t1"] * median(speed["times_s"]["ar_matched_t1"]))
+
+
+def test_bench_draft_reports_the_decode_phase_without_each_rounds_prefill(tmp_path):
+    model, draft = tiny_policy_and_draft()
+    run_draft_bench(model, draft, PROMPTS, k=3, batch_sizes=[2], max_new_tokens=16, repeats=2, out_dir=str(tmp_path),
+                    training={})
+    (speed,) = json.loads((tmp_path / "draft_eagle3.json").read_text())["speedup"]
+    times, prefill = speed["times_s"], speed["prefill_s"]
+    assert all(len(prefill[name]) == len(times[name]) == 2 for name in times)  # the warm-up call's is left out
+    assert all(0 < p < t for name in times for p, t in zip(prefill[name], times[name], strict=True))
+    decode = {name: [t - p for t, p in zip(times[name], prefill[name], strict=True)] for name in ("ar_t0", "spec_t0")}
+    # stop tokens off: both runs emit the same tokens, so the speedup is the ratio of decode seconds
+    assert speed["spec_speedup_decode_t0"] == pytest.approx(median(decode["ar_t0"]) / median(decode["spec_t0"]))
+    assert speed["prefill_share_t0"] == pytest.approx(median(prefill["ar_t0"]) / median(times["ar_t0"]))
+    header = next(line.split(" | ") for line in (tmp_path / "draft_eagle3.md").read_text().splitlines()
+                  if line.startswith("| batch | T |"))
+    assert "adaptive speedup, decode only" in header and "prefill share of AR time" in header
