@@ -276,6 +276,8 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "timed_steps": len(steps),
             "tau_first": window_mean(rows, "spec/acceptance_length", last=False),
             "tau_last": window_mean(rows, "spec/acceptance_length", last=True),
+            # the step-to-step spread a gap between two runs' tau must clear (issue 14: co-trained vs frozen)
+            "tau_last_se": mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])[1],
             # tau moves with the controller's k; the first draft position's acceptance does not
             "accept1_first": known(window_mean(rows, "spec/accept_rate_pos_0", last=False)),
             "accept1_last": known(window_mean(rows, "spec/accept_rate_pos_0", last=True)),
@@ -301,7 +303,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
 
 
 def table(summary: list[dict], cfg: Config) -> str:
-    header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW}", f"accept pos 1 first / last {WINDOW}",
+    header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW} ± SE", f"accept pos 1 first / last {WINDOW}",
               "mean k", "rollout share", "rollout speedup", "rollout speedup in run", "e2e speedup",
               "response tokens vs baseline", "rollout tokens/s vs baseline", f"reward last {WINDOW} ± SE",
               "reward - baseline", "within 2 SE", "train/inference KL", "drift (last)"]
@@ -311,7 +313,7 @@ def table(summary: list[dict], cfg: Config) -> str:
         x = s["rollout_speedup_in_run"]
         return "n/a" if x is None else f"{x:.3g} ({s['rollout_speedup_in_run_steps']})"
 
-    rows = [[s["run"], s["steps"], s["tau_first"], s["tau_last"],
+    rows = [[s["run"], s["steps"], s["tau_first"], f"{s['tau_last']:.3g} ± {s['tau_last_se']:.2g}",
              " / ".join("n/a" if s[k] is None else f"{s[k]:.3g}" for k in ("accept1_first", "accept1_last")),
              "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
              s["rollout_speedup"], in_run(s), s["e2e_speedup"], s["tokens_vs_baseline"],
@@ -328,7 +330,9 @@ def table(summary: list[dict], cfg: Config) -> str:
         "Every figure is measured in these runs (no estimate): speedups are the baseline's total wall-clock seconds "
         f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "
         f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
-        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps, which moves "
+        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps (± the "
+        "standard error of the last steps' values: the step-to-step spread a gap between two runs must clear), "
+        "which moves "
         "with the controller's k (mean k: its mean per verify forward in each step, averaged over the run's "
         "steps); accept pos 1 = the share of first draft tokens accepted, a measure of the draft alone, per-step "
         "means over the same steps. Sampled "

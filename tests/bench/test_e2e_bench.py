@@ -55,6 +55,7 @@ def test_a_run_that_drew_shorter_answers_shows_them_beside_its_speedup():
 def test_tau_windows_are_the_first_and_last_ten_steps():
     s = by_run(e2e.summarize({"baseline": records(25, tau=lambda i: float(i + 1))}))["baseline"]
     assert s["tau_first"] == pytest.approx(5.5) and s["tau_last"] == pytest.approx(20.5)
+    assert s["tau_last_se"] == pytest.approx(statistics.stdev(range(16, 26)) / math.sqrt(10))
 
 
 def test_first_position_acceptance_and_mean_k_are_summarised_beside_tau():
@@ -96,11 +97,11 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert saved["workload"]["task"]["kind"] == "chain" and saved["reward_test"] == e2e.REWARD_TEST
     md = (tmp_path / "e2e.md").read_text()
     header, _, baseline, dspark = md.splitlines()[:4]
-    assert header.startswith("| run | steps | tau first 10 | tau last 10 | accept pos 1 first / last 10 | mean k | "
-                             "rollout share | rollout speedup |")
+    assert header.startswith("| run | steps | tau first 10 | tau last 10 ± SE | accept pos 1 first / last 10 | "
+                             "mean k | rollout share | rollout speedup |")
     # first-position acceptance only in the first two records (none in the last 10), no k: n/a where none
-    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 | 0.6 / n/a | n/a | 0.143 | 2 | 1.3 (2) | 1.14 | 1 | 2 | "
-                             "0.500 ± 0.000 | 0 | yes |")
+    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 ± 0.096 | 0.6 / n/a | n/a | 0.143 | 2 | 1.3 (2) | 1.14 | 1 "
+                             "| 2 | 0.500 ± 0.000 | 0 | yes |")
     assert baseline.split(" | ")[14] == "n/a"  # the baseline is the reference of the reward test
     assert baseline.split(" | ")[8] == "n/a"  # no draft, no in-run measurement
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
