@@ -14,7 +14,7 @@ run decodes, in each round after the adaptive run, with stop tokens off and ever
 the adaptive run gave it in that round (plain decoding's cost depends on token counts and contexts, not on which
 tokens); its speedup is the median over rounds of that run's time / the adaptive run's time.
 Beside it the decode phase alone (each round's prefill seconds taken out of its time) and the prefill's share of
-plain decoding's time: at 48 new tokens a batch of 8 spends about a third of its time in the prefill, which a
+plain decoding's time: at 48 new tokens a batch of 8 spent ~30% of its time in the prefill (README), which a
 draft cannot shorten.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
 at fixed k, as a share of a plain decode step at the same batch; the first proposal of each call, which absorbs

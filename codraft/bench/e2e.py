@@ -277,7 +277,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "tau_first": window_mean(rows, "spec/acceptance_length", last=False),
             "tau_last": window_mean(rows, "spec/acceptance_length", last=True),
             # the step-to-step spread a gap between two runs' tau must clear (issue 14: co-trained vs frozen)
-            "tau_last_se": mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])[1],
+            "tau_last_se": known(mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])[1]),
             # tau moves with the controller's k; the first draft position's acceptance does not
             "accept1_first": known(window_mean(rows, "spec/accept_rate_pos_0", last=False)),
             "accept1_last": known(window_mean(rows, "spec/accept_rate_pos_0", last=True)),
@@ -313,7 +313,10 @@ def table(summary: list[dict], cfg: Config) -> str:
         x = s["rollout_speedup_in_run"]
         return "n/a" if x is None else f"{x:.3g} ({s['rollout_speedup_in_run_steps']})"
 
-    rows = [[s["run"], s["steps"], s["tau_first"], f"{s['tau_last']:.3g} ± {s['tau_last_se']:.2g}",
+    def tau_last(s: dict) -> str:
+        return f"{s['tau_last']:.3g}" + ("" if s["tau_last_se"] is None else f" ± {s['tau_last_se']:.2g}")
+
+    rows = [[s["run"], s["steps"], s["tau_first"], tau_last(s),
              " / ".join("n/a" if s[k] is None else f"{s[k]:.3g}" for k in ("accept1_first", "accept1_last")),
              "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
              s["rollout_speedup"], in_run(s), s["e2e_speedup"], s["tokens_vs_baseline"],
