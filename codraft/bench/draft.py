@@ -174,14 +174,15 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
     groups = prompt_groups(prompts, batch)
     runs, prefill = prefill_recorded(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens))
     times, outputs = interleaved(runs, repeats)
+    prefill = {name: ps[1:] for name, ps in prefill.items()}  # the timed rounds' (the warm-up call is not timed)
     # the decode phase alone: each round's seconds less its prefill (the same work with and without a draft, and a
     # large share of a short generation at a large batch)
-    decode_times = {name: [t - p for t, p in zip(ts, prefill[name][1:], strict=True)] for name, ts in times.items()}
+    decode_times = {name: [t - p for t, p in zip(ts, prefill[name], strict=True)] for name, ts in times.items()}
     # every repeat of a run emits the same tokens (seeded), except sampled adaptive runs, whose k (chosen from
     # timings) moves the random draws; with stop tokens on, sampled runs differ in length (tokens/s: last round's)
     tps = {name: outputs[name].stats.tokens_generated / median(ts) for name, ts in times.items()}
     result = {"batch": batch, "prompt_groups": len(groups), "times_s": times, "tokens_per_s": tps,
-              "prefill_s": {name: ps[1:] for name, ps in prefill.items()},
+              "prefill_s": prefill,
               "greedy_tokens_identical": all(outputs[f"{v}_t0"].tokens == outputs["ar_t0"].tokens
                                              for v in ("spec", "fixed"))}
     for t in EVAL_TEMPERATURES:
@@ -192,7 +193,7 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
         result[f"spec_speedup_decode_t{t:g}"] = (
             outputs[f"spec_t{t:g}"].stats.tokens_generated / median(decode_times[f"spec_t{t:g}"])
             / (outputs[f"ar_t{t:g}"].stats.tokens_generated / median(decode_times[f"ar_t{t:g}"])))
-        result[f"prefill_share_t{t:g}"] = median(prefill[f"ar_t{t:g}"][1:]) / median(times[f"ar_t{t:g}"])
+        result[f"prefill_share_t{t:g}"] = median(prefill[f"ar_t{t:g}"]) / median(times[f"ar_t{t:g}"])
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")

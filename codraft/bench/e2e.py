@@ -270,14 +270,15 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
         diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
         in_run = finite([r.get("rollout/speedup_measured", math.nan) for r in rows])
+        tau_last, tau_last_se = mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])
         out.append({
             "run": name,
             "steps": len(rows),
             "timed_steps": len(steps),
             "tau_first": window_mean(rows, "spec/acceptance_length", last=False),
-            "tau_last": window_mean(rows, "spec/acceptance_length", last=True),
+            "tau_last": tau_last,
             # the step-to-step spread a gap between two runs' tau must clear (issue 14: co-trained vs frozen)
-            "tau_last_se": known(mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])[1]),
+            "tau_last_se": known(tau_last_se),
             # tau moves with the controller's k; the first draft position's acceptance does not
             "accept1_first": known(window_mean(rows, "spec/accept_rate_pos_0", last=False)),
             "accept1_last": known(window_mean(rows, "spec/accept_rate_pos_0", last=True)),
@@ -335,11 +336,10 @@ def table(summary: list[dict], cfg: Config) -> str:
         f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
         f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps (± the "
         "standard error of the last steps' values: the step-to-step spread a gap between two runs must clear), "
-        "which moves "
-        "with the controller's k (mean k: its mean per verify forward in each step, averaged over the run's "
-        "steps); accept pos 1 = the share of first draft tokens accepted, a measure of the draft alone, per-step "
-        "means over the same steps. Sampled "
-        "runs part ways, so their answers' lengths differ: response tokens vs baseline is the run's total over the "
+        "which moves with the controller's k (mean k: its mean per verify forward in each step, averaged over the "
+        "run's steps); accept pos 1 = the share of first draft tokens accepted, a measure of the draft alone, "
+        "per-step means over the same steps. Sampled runs part ways, so their answers' lengths differ: response "
+        "tokens vs baseline is the run's total over the "
         "baseline's on those steps, rollout tokens/s vs baseline the ratio of response tokens per rollout second.",
         "Rollout speedup in run: the median (over the steps in brackets) of rollout/speedup_measured, the run's own "
         "rollout against plain decoding of the same prompts to the same row lengths timed right after it "
