@@ -57,7 +57,9 @@ class PolicyOutputs:
     """The frozen policy's detached outputs for one (prompt, response), as every epoch's draft batches read them."""
 
     taps: dict[int, torch.Tensor]  # policy layer -> [T_i, H]
-    logprobs: torch.Tensor  # [R_i, V] fp16 log-softmax of the rows that predict the R_i response tokens
+    # [R_i, W] fp16: the draft's `policy_rows` of the policy's log-softmax at the rows that predict the R_i
+    # response tokens (EAGLE-3: its draft vocabulary and a flag, W = N + 1; DFlash, DSpark: all V)
+    logprobs: torch.Tensor
 
 
 def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], completions: list[list[int]],
@@ -68,7 +70,8 @@ def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[in
         batch = draft_batch(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
         bounds = list(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True))
         predicts = batch.loss_mask[1:].nonzero().flatten()  # rows predicting a response token (prompts are not empty)
-        logprobs = batch.policy_logits[predicts].float().log_softmax(-1).half()
+        # rounded to fp16 before the family reduces them, so the cache holds what a full-row cache would give
+        logprobs = draft.policy_rows(batch.policy_logits[predicts].float().log_softmax(-1).half())
         per_sequence = logprobs.split([int(batch.loss_mask[start:end].sum()) for start, end in bounds])
         for (start, end), lp in zip(bounds, per_sequence, strict=True):
             outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()}, lp))
@@ -78,8 +81,8 @@ def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[in
 
 
 def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs: list[PolicyOutputs]) -> DraftBatch:
-    """The DraftBatch `draft_batch` would build, from cached outputs: rows that predict no response token (which
-    no draft loss reads) hold zero logits."""
+    """The DraftBatch `draft_batch` would build, from cached outputs (the draft's `policy_rows` of the policy's
+    rows): rows that predict no response token (which no draft loss reads) hold zeros."""
     device = outputs[0].logprobs.device
     packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
     logits = torch.zeros(packed.input_ids.numel(), outputs[0].logprobs.shape[-1], device=device)
@@ -90,6 +93,7 @@ def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs
         policy_logits=logits,
         loss_mask=packed.response_mask,
         cu_seqlens=packed.cu_seqlens,
+        policy_reduced=True,
     )
 
 

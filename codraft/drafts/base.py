@@ -45,6 +45,8 @@ class DraftBatch:
     cu_seqlens: torch.Tensor  # [N+1]
     positions: torch.Tensor | None = None  # [T] rotary positions; default per-sequence arange
     shard: TokenShard | None = None  # default: this batch is the whole batch
+    # policy_logits holds the draft's `policy_rows` of the policy's rows ([T, W]), as the distillation cache stores
+    policy_reduced: bool = False
 
     def __post_init__(self):
         if self.shard is None:
@@ -134,6 +136,11 @@ class DraftModel(nn.Module):
         """Single-device branch attention with `attention_impl`'s kernels."""
         impl = self.attention_impl or ("fused" if k.device.type == "cpu" else "dense")
         return branch_attention(q, k, v, cu_seqlens, branches, impl=impl)
+
+    def policy_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the loss reads of the policy's rows [..., V] (all of them here: DFlash and DSpark train over the
+        whole vocabulary). The distillation cache keeps only this, so a family that reads less stores less."""
+        return logits
 
     def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError

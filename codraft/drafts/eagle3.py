@@ -180,11 +180,9 @@ class Eagle3Draft(DraftModel):
         logits = self.ttt_forward(self.fuse(taps), ids, batch.cu_seqlens, batch.rope_positions(), self.cfg.ttt_steps,
                                   index, rows=scored)
 
-        policy_logits = batch.policy_logits.detach()  # [T_local, V]
-        policy_local = policy_logits.index_select(-1, self.draft_ids())  # [T_local, N], softmax renormalises it
-        in_vocab_local = self.t2d[policy_logits.argmax(-1)]  # [T_local] the policy's top token is draftable
-        # one look-ahead per step for both: [T_local, N + 1], the last column in_vocab as 0/1
-        policy_and_vocab = torch.cat([policy_local, in_vocab_local[:, None].to(policy_local.dtype)], -1)
+        policy_logits = batch.policy_logits.detach()
+        # one look-ahead per step for the policy's draft-vocab logits and whether its top token is draftable
+        policy_and_vocab = policy_logits if batch.policy_reduced else self.policy_rows(policy_logits)  # [T_local, N+1]
         to_draft = self.t2d.long().cumsum(0) - 1  # [V] target id -> draft id (where t2d)
 
         total = logits[0].new_zeros((), dtype=torch.float32)
@@ -210,6 +208,12 @@ class Eagle3Draft(DraftModel):
         stats["loss/draft"] = total.detach()
         values = torch.stack(list(stats.values())).tolist()  # one device sync for all metrics
         return total, dict(zip(stats, values, strict=True))
+
+    def policy_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] -> [..., N + 1]: the draft vocabulary's columns (the loss's softmax renormalises them), then 1 where
+        the row's top token is in the draft vocabulary, else 0 (a row whose top token is not is not scored)."""
+        in_vocab = self.t2d[logits.argmax(-1)]
+        return torch.cat([logits.index_select(-1, self.draft_ids()), in_vocab[..., None].to(logits.dtype)], -1)
 
     # --- inference ---
     @torch.no_grad()

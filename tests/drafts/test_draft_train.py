@@ -84,8 +84,8 @@ def test_draft_train_rejects_bad_config_in_one_line(tmp_path, capsys, override, 
     assert err.startswith("codraft: error: ") and message in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
-def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_forward(family):
+@pytest.mark.parametrize(("family", "draft_vocab_size"), [("eagle3", 0), ("eagle3", 16), ("dflash", 0), ("dspark", 0)])
+def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_forward(family, draft_vocab_size):
     """The cache keeps the taps and only the logit rows that predict response tokens, as fp16 log-probs: every
     family's loss and gradients must come out as from the full fp32 forward (anchors drawn the same way)."""
     import torch
@@ -100,7 +100,7 @@ def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_for
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (5, 9, 3, 7)]
     completions = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (12, 6, 15, 9)]
-    draft = build_draft(draft_config(family, draft_vocab_size=0), policy, None, corpus=completions)
+    draft = build_draft(draft_config(family, draft_vocab_size=draft_vocab_size), policy, None, corpus=completions)
     cache = policy_outputs(policy, draft, prompts, completions, batch_size=3)
     rows = [2, 0, 3]
 
@@ -121,6 +121,40 @@ def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_for
     assert cached[2].keys() == fresh[2].keys() and fresh[2]
     for name, grad in fresh[2].items():
         torch.testing.assert_close(cached[2][name], grad, rtol=1e-3, atol=5e-5)  # fp16 log-probs
+
+
+def test_eagle3_caches_only_its_draft_vocabulary_and_trains_as_on_the_full_rows(monkeypatch):
+    """EAGLE-3 reads the policy's draft-vocabulary columns and whether its top token is draftable: the cache keeps
+    those (N + 1 columns instead of V) and the loss and gradients are bit for bit those of the full fp16 rows."""
+    import torch
+
+    from codraft.distill.distill import cached_batch, policy_outputs
+    from codraft.drafts import build_draft
+    from tests.drafts.blocks import V, draft_config, tiny_policy
+
+    policy = tiny_policy(dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (4, 8, 6)]
+    completions = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (10, 7, 13)]
+    draft = build_draft(draft_config("eagle3", draft_vocab_size=12), policy, None, corpus=completions)
+    reduced = policy_outputs(policy, draft, prompts, completions, batch_size=2)
+    monkeypatch.setattr(type(draft), "policy_rows", lambda self, logits: logits)  # the full rows, reduced in the loss
+    full = policy_outputs(policy, draft, prompts, completions, batch_size=2)
+    monkeypatch.undo()
+    assert [o.logprobs.shape[-1] for o in reduced] == [12 + 1] * 3 and full[0].logprobs.shape[-1] == V
+    assert all(o.logprobs.dtype == torch.float16 for o in reduced)
+
+    def loss_and_grads(outputs, reduced: bool):
+        batch = cached_batch(prompts, completions, outputs)
+        batch.policy_reduced = reduced
+        draft.zero_grad(set_to_none=True)
+        loss, metrics = draft.loss(batch)
+        loss.backward()
+        return loss, metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    a, b = loss_and_grads(reduced, True), loss_and_grads(full, False)
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
 
 
 def test_draft_train_lr_warms_up_then_follows_a_cosine_to_its_floor():
