@@ -241,7 +241,7 @@ def generate(
             confidence = proposal.confidence[:, :k] if proposal.confidence is not None else None
             budget = limit - n_out - 1  # the step also emits one target token
             num_drafts = proposal.lengths.clamp(max=budget).clamp(min=0)
-            if controller is not None and confidence is not None:
+            if controller is not None:
                 num_drafts = controller.verify_lengths(live, k, num_drafts, confidence)
             width = int(num_drafts.max())
             drafts = proposal.tokens[:, :width]
@@ -347,5 +347,8 @@ def _count_step(
     stats.draft_tokens_proposed += int(num_drafts.sum())
     stats.draft_tokens_accepted += int(accepted.sum())
     if controller is not None:
-        reached = (accepted[:, None] >= positions).sum(0).tolist()
+        # a draft cut off by the row's length limit or the controller's truncation counts as reached and not
+        # accepted (it yields no token); a probe's rows without drafts were not sampled at all
+        sampled = num_drafts[:, None] > 0 if controller.probing else True
+        reached = ((accepted[:, None] >= positions) & sampled).sum(0).tolist()
         controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed, ragged)

@@ -103,6 +103,7 @@ def test_a_proposal_that_absorbed_a_backlog_does_not_set_the_draft_cost():
 
 def test_while_speculating_a_plain_step_re_times_decode_at_each_row_count():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.02, rows=4)
+    observe_acceptance(c, 0.8, rows=1, steps=1, k=1)  # acceptance seen (at another row count): no probe first
     chosen = []
     for _ in range(70):
         k = c.choose(4)
@@ -217,3 +218,16 @@ def test_a_call_with_no_speculative_step_is_not_audited():
         c.observe(0, [], [], 8, 0.01, None)
     c.end_batch([3] * 8, 1.0)  # slow for other reasons: nothing to blame on speculation
     assert c.overhead == {}
+
+
+def test_a_fresh_controller_tests_its_prior_with_a_probe_then_follows_what_it_saw():
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.02, rows=8)  # cheap verification: the prior says on
+    assert c.choose(8) == c.probe_k and c.probing
+    n = c.probe_rows  # of the 8 rows, the probe verified n rows' drafts (a ragged forward of 8 + n tokens)
+    c.observe(1, [n], [n], 8, verify_s=0.0105, draft_s=0.001, fed=8 + n, ragged=True)
+    assert c.choose(8) > 1 and not c.probing  # a good draft is on at once
+    useless = controller_with_costs(decode_s=0.01, extra_per_token=0.02, rows=8)
+    assert useless.choose(8) == useless.probe_k
+    useless.observe(1, [n], [0], 8, verify_s=0.0105, draft_s=0.001, fed=8 + n, ragged=True)
+    # off; the probe counted as the new call's probe, so the next comes an interval later
+    assert [useless.choose(8) for _ in range(15)] == [0] * 15

@@ -51,13 +51,14 @@ def test_where_verification_is_cheap_every_draft_is_verified():
     assert lengths_after_a_full_step(c, 1, torch.tensor([[0.5, 0.5, 0.5, 0.5]])).tolist() == [4]
 
 
-def test_one_step_in_refresh_every_and_every_probe_verify_all_drafts():
+def test_one_step_in_refresh_every_verifies_all_drafts_and_a_probe_those_of_a_few_rows():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.5, rows=8)
     conf, full = torch.full((8, 4), 0.3), torch.full((8,), 4)
     fed = [int(c.verify_lengths(8, 4, full, conf).sum()) for _ in range(2 * c.refresh_every)]
     assert fed.count(32) == 2 and fed[0] == 32 and fed[c.refresh_every] == 32
-    c.probing = True
-    assert torch.equal(c.verify_lengths(8, 4, full, conf), full)
+    c.probing = True  # a probe verifies all drafts of its first probe_rows rows, none of the others
+    assert c.verify_lengths(8, 4, full, conf).tolist() == [4] * c.probe_rows + [0] * (8 - c.probe_rows)
+    assert torch.equal(c.verify_lengths(2, 4, full[:2], conf[:2]), full[:2])
     assert torch.equal(controller_with_costs(0.01, 0.5, rows=8).__class__(4, truncate=False)
                        .verify_lengths(8, 4, full, conf), full)
 

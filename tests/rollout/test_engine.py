@@ -348,3 +348,28 @@ def test_a_prompt_repeated_across_rows_is_prefilled_once_and_each_row_decodes_as
             logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_probe_verifies_the_drafts_of_its_first_rows_only_and_keeps_greedy_output():
+    class AlwaysProbing(SpeculationController):
+        def __init__(self):
+            super().__init__(2, probe_rows=2)
+            self.steps: list[tuple[int, list[int]]] = []  # (live rows, reached) of each step
+
+        def choose(self, rows):
+            self.probing = True
+            return 2
+
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+            self.steps.append((rows, reached))
+            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed, ragged)
+
+    model = model_for_greedy()
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=12, stop_token_ids=[])
+    c = AlwaysProbing()
+    spec = generate(model, PROMPTS, drafter=SkewedDrafter(model.args.vocab_size, point_mass=True),
+                    num_speculative_tokens=2, temperature=0, max_new_tokens=12, stop_token_ids=[], adaptive=c)
+    assert spec.tokens == plain.tokens
+    # 4 rows, 2 sampled: at most 2 rows reach draft 0 (rows without a draft are not counted as rejections)
+    assert all(reached[0] <= min(rows, 2) for rows, reached in c.steps) and spec.stats.draft_tokens_proposed
+    assert spec.stats.draft_tokens_proposed <= 2 * 2 * len(c.steps)
