@@ -64,10 +64,10 @@ class Drafter:
         ever hold more than `max_len` tokens (prompt + output + speculation). Drafters that
         sample draw from `generator`, so a seeded generate call is reproducible."""
 
-    def propose(self, pending: torch.Tensor, k: int, probe: bool = False) -> Proposal:
-        """pending [B]: the last emitted token of each row (not yet in the target's cache). `probe`: the
-        controller only samples acceptance while speculation is off, so a drafter may trade accuracy for
-        cost (a learned draft then skips old context, the prompt included)."""
+    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None) -> Proposal:
+        """pending [B]: the last emitted token of each row (not yet in the target's cache). `probe_rows`: this
+        is a probe, which samples acceptance on the drafts of the first `probe_rows` rows only, so a drafter
+        may trade accuracy for cost on the others (a learned draft skips their old context, prompt included)."""
         raise NotImplementedError
 
     def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:

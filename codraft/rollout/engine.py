@@ -222,7 +222,8 @@ def generate(
         k = controller.choose(live) if controller is not None else k_max
         proposal, t_draft = None, time.perf_counter()
         if k:
-            proposal = drafter.propose(pending, k, probe=controller is not None and controller.probing)
+            probing = controller is not None and controller.probing
+            proposal = drafter.propose(pending, k, probe_rows=controller.probe_rows if probing else None)
             problem = _usable(proposal, live, k, args.vocab_size)
             if problem is not None:
                 log.warning("drafter proposal rejected (%s); decoding this step without speculation", problem)

@@ -138,7 +138,7 @@ def test_a_long_backlog_is_cut_to_its_newest_tokens_and_the_skipped_positions_ar
     torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=0)
 
 
-def test_a_probe_skips_the_old_part_of_the_prompt_too():
+def test_a_probe_skips_the_old_part_of_its_unsampled_rows_prompts_too():
     policy = tiny_policy()
     draft = build_draft(draft_config("eagle3"), policy).eval()
     prompts = [list(range(3, 23)), [7, 8, 9]]
@@ -150,9 +150,12 @@ def test_a_probe_skips_the_old_part_of_the_prompt_too():
     drafter = draft.drafter()
     drafter.max_backlog = 4
     drafter.start(prompts, out.taps, SamplingParams(1.0), 64, torch.Generator().manual_seed(0))
-    drafter.propose(torch.tensor([1, 2]), 2, probe=True)
+    drafter.propose(torch.tensor([1, 2]), 2, probe_rows=0)
     assert drafter.state.holes.sum(1).tolist() == [16, 0]  # the long prompt keeps its newest 4 tokens
     assert drafter.state.absorbed.tolist() == [20, 3]
+    drafter.start(prompts, out.taps, SamplingParams(1.0), 64, torch.Generator().manual_seed(0))
+    drafter.propose(torch.tensor([1, 2]), 2, probe_rows=1)  # the sampled row absorbs its prompt whole
+    assert drafter.state.holes.sum(1).tolist() == [0, 0] and drafter.state.absorbed.tolist() == [20, 3]
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")

@@ -44,7 +44,7 @@ class SkewedDrafter(Drafter):
     def start(self, prompts, taps, params, max_len, generator=None):
         self.rows = len(prompts)
 
-    def propose(self, pending, k, probe=False):
+    def propose(self, pending, k, probe_rows=None):
         local = torch.multinomial(self.q.expand(self.rows, -1), k, replacement=True, generator=self.g)
         tokens = local if self.vocab is None else self.vocab[local]
         probs = None if self.point_mass else self.q.expand(self.rows, k, -1).clone()

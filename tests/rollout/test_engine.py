@@ -208,7 +208,7 @@ class Broken(SkewedDrafter):
         super().__init__(vocab_size)
         self.fault = fault
 
-    def propose(self, pending, k, probe=False):
+    def propose(self, pending, k, probe_rows=None):
         p = super().propose(pending, k)
         if self.fault == "nan":
             p.probs[:, 0, 0] = float("nan")
