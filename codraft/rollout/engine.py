@@ -348,8 +348,10 @@ def _count_step(
     stats.draft_tokens_proposed += int(num_drafts.sum())
     stats.draft_tokens_accepted += int(accepted.sum())
     if controller is not None:
-        # a draft cut off by the row's length limit or the controller's truncation counts as reached and not
-        # accepted (it yields no token); a probe's rows without drafts were not sampled at all
-        sampled = num_drafts[:, None] > 0 if controller.probing else True
-        reached = ((accepted[:, None] >= positions) & sampled).sum(0).tolist()
+        # a draft cut off by the row's length limit or the controller's truncation, or never proposed, counts as
+        # reached and not accepted (it yields no token); a probe's rows past probe_rows were not sampled at all
+        reached_at = accepted[:, None] >= positions
+        if controller.probing:
+            reached_at[controller.probe_rows:] = False
+        reached = reached_at.sum(0).tolist()
         controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed, ragged)
