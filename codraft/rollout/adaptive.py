@@ -241,7 +241,9 @@ class SpeculationController:
         its first `probe_rows` rows and none of the others; one step in `refresh_every` at each row count verifies
         all."""
         if self.probing:
-            return torch.where(torch.arange(rows, device=lengths.device) < self.probe_rows, lengths, 0)
+            sampled = lengths.clone()
+            sampled[self.probe_rows:] = 0
+            return sampled
         if not self.truncate or confidence is None:
             return lengths
         since = self.since_full[rows] = self.since_full.get(rows, self.refresh_every - 1) + 1
