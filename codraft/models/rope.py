@@ -84,14 +84,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [...] int -> cos, sin [..., head_dim] in `dtype`."""
+        """positions [...] int -> cos, sin [..., 1, head_dim] in `dtype` (broadcasting over heads), sin's first half
+        negated: the tables `apply_rotary` takes, built once per forward for every layer."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        return torch.cat((cos, cos), -1).unsqueeze(-2).to(dtype), torch.cat((-sin, sin), -1).unsqueeze(-2).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., S, H, D]; cos/sin [..., S, D] (broadcast over heads)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """x [..., S, H, D] rotated by the tables of `RotaryEmbedding` [..., S, 1, D].
+
+    HF's x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1), bit for bit: x.roll(D / 2) is
+    cat(x2, x1) and the sign sits in the table. Four ops instead of eight, in every layer of every decode step."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -166,3 +166,28 @@ def test_a_cached_forward_of_active_tokens_equals_the_full_one_on_them():
     torch.testing.assert_close(part.taps[1][fed], full.taps[1][fed])
     for b, n in enumerate([3, 1, 4]):
         torch.testing.assert_close(part_cache.k[:, b, :, : 5 + n], full_cache.k[:, b, :, : 5 + n])
+
+
+def test_rms_norm_in_one_op_is_bit_for_bit_the_step_by_step_norm():
+    from codraft.models.model import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    for shape in [(1, 1, 64), (8, 5, 64), (300, 64)]:
+        x = torch.randn(*shape)
+        reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        assert torch.equal(norm(x), reference)
+
+
+def test_rotary_is_bit_for_bit_hf_rotate_half():
+    from codraft.models.rope import RotaryEmbedding, apply_rotary, rope_frequencies
+
+    args = ModelArgs(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2)
+    positions = torch.tensor([[0, 3, 17], [5, 6, 99]])
+    x = torch.randn(2, 3, 4, args.head_dim)  # [B, S, H, D]
+    inv_freq, _ = rope_frequencies(args)
+    emb = torch.cat([positions[..., None].float() * inv_freq] * 2, -1)[..., None, :]  # HF's cos/sin tables
+    x1, x2 = x.chunk(2, -1)
+    expected = x * emb.cos() + torch.cat((-x2, x1), -1) * emb.sin()
+    assert torch.equal(apply_rotary(x, *RotaryEmbedding(args)(positions, x.dtype)), expected)
+
