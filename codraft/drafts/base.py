@@ -308,6 +308,12 @@ class DraftState:
         self.fresh_len -= drop
         self.cache.advance(drop)  # the cache's lengths count absorbed positions, holes included
 
+    def first_rows(self, n: int) -> DraftState:
+        """Rows [0, n) as views: a proposal's in-place updates to them (cache writes, absorbed counts) land here."""
+        return DraftState(self.cache.first_rows(n), self.absorbed[:n], self.fresh_taps[:n], self.fresh_ids[:n],
+                          self.fresh_len[:n], self.holes[:n], {name: t[:n] for name, t in self.extra.items()},
+                          self.generator)
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
         self.absorbed, self.fresh_len, self.holes = self.absorbed[rows], self.fresh_len[rows], self.holes[rows]
@@ -343,7 +349,13 @@ class LearnedDrafter(Drafter):
     @torch.no_grad()
     def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None) -> Proposal:
         self.state.skip_stale(self.max_backlog, prompts_from=probe_rows)
-        return self.draft.propose(self.state, pending, k, self.params)
+        rows = pending.shape[0]
+        if probe_rows is None or probe_rows >= rows:
+            return self.draft.propose(self.state, pending, k, self.params)
+        # a probe verifies the drafts of its first rows only, so only they draft: at batch 32 a probe's absorb over
+        # every row's backlog (padded to the longest, a sampled row's whole prompt) cost ~2 decode steps
+        sampled = self.draft.propose(self.state.first_rows(probe_rows), pending[:probe_rows], k, self.params)
+        return sampled.padded(rows)
 
     @torch.no_grad()
     def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:

@@ -53,6 +53,12 @@ class KVCache:
         assert bool((lengths <= self.lengths).all()), "rollback cannot extend a row"
         self.lengths.copy_(lengths)
 
+    def first_rows(self, n: int) -> KVCache:
+        """Rows [0, n) as a cache of views: writes and advances through it land in this one."""
+        view = object.__new__(KVCache)
+        view.k, view.v, view.lengths, view.max_len = self.k[:, :n], self.v[:, :n], self.lengths[:n], self.max_len
+        return view
+
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in `rows` (indices), e.g. when generation of a row is done."""
         self.k, self.v = self.k[:, rows], self.v[:, rows]

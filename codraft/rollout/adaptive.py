@@ -128,6 +128,8 @@ class SpeculationController:
                  probe_k: int = 1, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, audit_prior_steps: float = 32.0,
                  max_overhead: float = 2.0, truncate: bool = True):
+        if probe_rows < 1:
+            raise ValueError(f"probe_rows must be >= 1 (the rows whose drafts a probe verifies), got {probe_rows}")
         self.max_k = max_k
         self.min_gain = min_gain  # speculate only when the predicted rate beats plain decoding by this share
         # each position's estimate averages about the last `memory` row observations, whatever the batch: rows

@@ -40,6 +40,13 @@ class Proposal:
     vocab: torch.Tensor | None = None  # [N] ascending target ids that probs cover (q = 0 elsewhere); None = all V
     confidence: torch.Tensor | None = None  # [B, k'] the draft's probability of each token; None = unknown
 
+    def padded(self, rows: int) -> Proposal:
+        """This proposal of the first rows of a batch of `rows`, the others with no drafts."""
+        def pad(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+        return Proposal(pad(self.tokens), pad(self.lengths), pad(self.probs), self.vocab, pad(self.confidence))
+
 
 class Drafter:
     """Base class; subclasses override what they need.
@@ -67,7 +74,8 @@ class Drafter:
     def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None) -> Proposal:
         """pending [B]: the last emitted token of each row (not yet in the target's cache). `probe_rows`: this
         is a probe, which samples acceptance on the drafts of the first `probe_rows` rows only, so a drafter
-        may trade accuracy for cost on the others (a learned draft skips their old context, prompt included)."""
+        may propose nothing for the others (a learned draft does not run on them, and skips their old context,
+        prompt included)."""
         raise NotImplementedError
 
     def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:

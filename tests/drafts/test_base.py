@@ -9,7 +9,7 @@ from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel, cache_attention, draft_cache_mask, write_cache
 from codraft.models import KVCache
 from codraft.models.linear import FusedLinears, Linear, packing_available
-from codraft.rollout import generate
+from codraft.rollout import SpeculationController, generate
 from codraft.rollout.sampling import SamplingParams
 from tests.drafts.blocks import draft_config, packed_batch, tiny_policy
 
@@ -138,24 +138,35 @@ def test_a_long_backlog_is_cut_to_its_newest_tokens_and_the_skipped_positions_ar
     torch.testing.assert_close(a.probs, b.probs, rtol=0, atol=0)
 
 
-def test_a_probe_skips_the_old_part_of_its_unsampled_rows_prompts_too():
+def test_a_probe_drafts_on_its_first_rows_only_and_the_others_prompts_lose_their_old_part():
     policy = tiny_policy()
     draft = build_draft(draft_config("eagle3"), policy).eval()
-    prompts = [list(range(3, 23)), [7, 8, 9]]
-    ids = torch.zeros(2, 20, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    with torch.no_grad():
-        out = policy(ids, taps=draft.tap_layers)
-    drafter = draft.drafter()
-    drafter.max_backlog = 4
-    drafter.start(prompts, out.taps, SamplingParams(1.0), 64, torch.Generator().manual_seed(0))
-    drafter.propose(torch.tensor([1, 2]), 2, probe_rows=0)
-    assert drafter.state.holes.sum(1).tolist() == [16, 0]  # the long prompt keeps its newest 4 tokens
-    assert drafter.state.absorbed.tolist() == [20, 3]
-    drafter.start(prompts, out.taps, SamplingParams(1.0), 64, torch.Generator().manual_seed(0))
-    drafter.propose(torch.tensor([1, 2]), 2, probe_rows=1)  # the sampled row absorbs its prompt whole
-    assert drafter.state.holes.sum(1).tolist() == [0, 0] and drafter.state.absorbed.tolist() == [20, 3]
+    long, short = list(range(3, 23)), [7, 8, 9]
+
+    def probe(prompts, probe_rows=1, temperature=1.0):
+        ids = torch.zeros(2, 20, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p)
+        with torch.no_grad():
+            out = policy(ids, taps=draft.tap_layers)
+        drafter = draft.drafter()
+        drafter.max_backlog = 4
+        drafter.start(prompts, out.taps, SamplingParams(temperature), 64, torch.Generator().manual_seed(0))
+        proposal = drafter.propose(torch.tensor([1, 2]), 2, probe_rows=probe_rows)
+        return drafter.state, proposal
+
+    state, proposal = probe([short, long])  # the unsampled long prompt keeps its newest 4 tokens, unabsorbed
+    assert proposal.lengths.tolist() == [2, 0] and proposal.probs.shape[0] == 2
+    assert state.holes.sum(1).tolist() == [0, 16] and state.absorbed.tolist() == [3, 16]
+    assert state.fresh_len.tolist() == [0, 4] and state.cache.lengths.tolist() == [3, 16]
+    state, proposal = probe([long, short])  # the sampled row absorbs its prompt whole
+    assert proposal.lengths.tolist() == [2, 0]
+    assert state.holes.sum(1).tolist() == [0, 0] and state.absorbed.tolist() == [20, 0]
+    assert state.fresh_len.tolist() == [0, 3]
+    # the sampled row drafts and keeps in its cache what it would have in a proposal over every row
+    (state, proposal), (whole, full) = probe([long, short], temperature=0), probe([long, short], 2, temperature=0)
+    assert proposal.tokens[0].tolist() == full.tokens[0].tolist()
+    torch.testing.assert_close(state.cache.k[:, 0, :, :20], whole.cache.k[:, 0, :, :20])
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
@@ -176,3 +187,23 @@ def test_rollouts_pack_the_draft_in_its_inference_dtype_and_greedy_stays_exact(f
         copies = [m.packed for m in draft.modules() if isinstance(m, Linear) and m.packed is not None]
         copies += [g.packed for m in draft.modules() for g in vars(m).values() if isinstance(g, FusedLinears)]
         assert copies and all(c.weight.dtype == dtype for c in copies)
+
+
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_probes_that_draft_on_their_first_rows_only_keep_greedy_output_exact(family):
+    class TwoProbesThenAStep(SpeculationController):
+        steps = 0
+
+        def choose(self, rows):
+            self.steps += 1
+            self.probing = self.steps % 3 != 0
+            return 2
+
+    policy = tiny_policy(dtype=torch.float32)
+    prompts = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9], [5, 6, 7, 8, 9, 10, 11, 12], [4]]
+    kw = dict(temperature=0, max_new_tokens=12, stop_token_ids=[])
+    plain = generate(policy, prompts, **kw)
+    draft = build_draft(draft_config(family, block_size=3, mask_token_id=7), policy)
+    spec = generate(policy, prompts, drafter=draft.drafter(), num_speculative_tokens=2,
+                    adaptive=TwoProbesThenAStep(2, probe_rows=2, truncate=False), **kw)
+    assert spec.tokens == plain.tokens and spec.stats.draft_tokens_proposed > 0
