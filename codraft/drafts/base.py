@@ -24,6 +24,7 @@ from codraft.drafts.shard import TokenShard
 from codraft.models import KVCache, ModelArgs, Transformer
 from codraft.models.cache_attention import CacheMask
 from codraft.models.cache_attention import cache_attention as attend_cache
+from codraft.models.kv_cache import take_rows
 from codraft.models.linear import packed_dtype
 from codraft.models.model import packed_positions
 from codraft.rollout.drafter import Drafter, Proposal, right_padded
@@ -317,7 +318,8 @@ class DraftState:
     def keep_rows(self, rows: torch.Tensor) -> None:
         self.cache.keep_rows(rows)
         self.absorbed, self.fresh_len, self.holes = self.absorbed[rows], self.fresh_len[rows], self.holes[rows]
-        self.fresh_taps, self.fresh_ids = self.fresh_taps[rows], self.fresh_ids[rows]
+        # the fresh taps grow by a token a step while speculation is off (32 rows x 200 x 1,728 floats: 44 MB)
+        self.fresh_taps, self.fresh_ids = take_rows(self.fresh_taps, rows, 0), self.fresh_ids[rows]
         self.extra = {name: t[rows] for name, t in self.extra.items()}
 
 

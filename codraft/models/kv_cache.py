@@ -60,9 +60,37 @@ class KVCache:
         return view
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop every row not in `rows` (indices), e.g. when generation of a row is done."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        """Row i becomes row rows[i] (indices; fewer rows drop the others, e.g. when a row's generation is done)."""
+        self.k, self.v = take_rows(self.k, rows, 1), take_rows(self.v, rows, 1)
         self.lengths = self.lengths[rows]
 
     def reset(self) -> None:
         self.lengths.zero_()
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """t with index i along `dim` taken from rows[i]: in place when there are no more rows than before, copying
+    only the rows that change place, so a batch whose finished rows are refilled from its end (`compaction`)
+    copies one row per finished one. A new copy of the whole cache cost ~40 ms at batch 32 (~0.5 decode
+    steps) each time some rows finished, which plain decoding of equal-length rows paid once."""
+    n = rows.numel()
+    if n > t.shape[dim]:  # more rows than there are (a prompt's copies): a new tensor
+        return t.index_select(dim, rows)
+    sources = rows.tolist()
+    moved = [i for i, source in enumerate(sources) if source != i]
+    # row by row, every source read before any slot is written: index_select on a batch compacted before (a
+    # strided view) took 28 ms for 2 rows of a batch-32 cache, a row's copy ~0.15 ms
+    values = [t.select(dim, sources[i]).clone() for i in moved]
+    for i, value in zip(moved, values, strict=True):
+        t.select(dim, i).copy_(value)
+    return t.narrow(dim, 0, n)
+
+
+def compaction(done: torch.Tensor) -> torch.Tensor:
+    """The rows that go on (done [B] is False), ordered so that those already among the first n (n of them go on)
+    keep their places and each finished row there takes one from past n."""
+    n = int((~done).sum())
+    keep = torch.arange(n, device=done.device)
+    holes = done[:n].nonzero().flatten()
+    keep[holes] = (~done[n:]).nonzero().flatten() + n
+    return keep

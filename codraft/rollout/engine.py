@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from codraft.models import KVCache, Transformer
+from codraft.models.kv_cache import compaction
 from codraft.models.linear import pack_linears, unpack_linears
 from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal, right_padded
@@ -203,7 +204,7 @@ def generate(
                 logprobs[i, :n].tolist(),
                 "stop" if reason[i] else "length",
             )
-        keep = (~done).nonzero().flatten()
+        keep = compaction(done)  # finished rows' slots refilled from the end: the caches copy only those rows
         tokens, logprobs, n_out, limit = tokens[keep], logprobs[keep], n_out[keep], limit[keep]
         pending, rows = pending[keep], rows[keep]
         cache.keep_rows(keep)

@@ -191,3 +191,17 @@ def test_rotary_is_bit_for_bit_hf_rotate_half():
     expected = x * emb.cos() + torch.cat((-x2, x1), -1) * emb.sin()
     assert torch.equal(apply_rotary(x, *RotaryEmbedding(args)(positions, x.dtype)), expected)
 
+
+def test_finished_rows_slots_are_refilled_from_the_end_in_place():
+    from codraft.models.kv_cache import compaction, take_rows
+
+    done = torch.tensor([False, True, False, False, True, False])
+    keep = compaction(done)
+    assert keep.tolist() == [0, 5, 2, 3]  # row 1's slot takes row 5; rows 0, 2, 3 stay where they are
+    t = torch.arange(18.0).view(6, 3)
+    expected, storage = t[keep], t.data_ptr()
+    kept = take_rows(t, keep, 0)
+    assert torch.equal(kept, expected) and kept.data_ptr() == storage
+    more = torch.tensor([1, 1, 0, 3, 2])  # more rows than there are (a prompt's copies): a new tensor
+    assert torch.equal(take_rows(kept, more, 0), expected[more])
+    assert compaction(torch.tensor([True, True])).numel() == 0
