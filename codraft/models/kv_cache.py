@@ -60,7 +60,7 @@ class KVCache:
         return view
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Row i becomes row rows[i] (indices; fewer rows drop the others, e.g. when a row's generation is done)."""
+        """New row i is old row rows[i] (indices; fewer rows drop the others, e.g. when a row's generation is done)."""
         self.k, self.v = take_rows(self.k, rows, 1), take_rows(self.v, rows, 1)
         self.lengths = self.lengths[rows]
 

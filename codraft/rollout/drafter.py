@@ -83,4 +83,5 @@ class Drafter:
         cache (the pending token plus the accepted drafts). taps[layer]: [B, t, H]."""
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Only `rows` (indices into the current batch) continue."""
+        """Only `rows` (indices into the current batch) continue, new row i being old row rows[i] (not always in
+        ascending order: the engine refills finished rows' slots from the end of the batch)."""

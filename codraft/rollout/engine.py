@@ -221,9 +221,12 @@ def generate(
     while rows.numel():
         live = rows.numel()
         k = controller.choose(live) if controller is not None else k_max
+        probing = k > 0 and controller is not None and controller.probing
+        # a probe drafts on its first probe_rows rows: its time is not a whole batch's, and the others' backlog
+        # waits for the next proposal
+        sampled_all = not probing or controller.probe_rows >= live
         proposal, t_draft = None, time.perf_counter()
         if k:
-            probing = controller is not None and controller.probing
             proposal = drafter.propose(pending, k, probe_rows=controller.probe_rows if probing else None)
             problem = _usable(proposal, live, k, args.vocab_size)
             if problem is not None:
@@ -299,11 +302,11 @@ def generate(
             emitted_count,
             num_drafts if k else None,
             time.perf_counter() - t_verify,
-            t_verify - t_draft if caught_up else None,
+            t_verify - t_draft if caught_up and sampled_all else None,
             live * (width + 1) if active is None else active.numel(),
             active is not None,
         )
-        caught_up = k > 0
+        caught_up = k > 0 and sampled_all
         done = hit | (n_out >= limit)
         if bool(done.any()):
             retire(done, hit)

@@ -207,3 +207,4 @@ def test_probes_that_draft_on_their_first_rows_only_keep_greedy_output_exact(fam
     spec = generate(policy, prompts, drafter=draft.drafter(), num_speculative_tokens=2,
                     adaptive=TwoProbesThenAStep(2, probe_rows=2, truncate=False), **kw)
     assert spec.tokens == plain.tokens and spec.stats.draft_tokens_proposed > 0
+    assert spec.stats.malformed_proposals == 0  # a rejected proposal would only log a warning

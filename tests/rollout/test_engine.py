@@ -373,3 +373,26 @@ def test_a_probe_verifies_the_drafts_of_its_first_rows_only_and_keeps_greedy_out
     # 4 rows, 2 sampled: at most 2 rows reach draft 0 (rows without a draft are not counted as rejections)
     assert all(reached[0] <= min(rows, 2) for rows, reached in c.steps) and spec.stats.draft_tokens_proposed
     assert spec.stats.draft_tokens_proposed <= 2 * 2 * len(c.steps)
+
+
+def test_the_proposal_after_a_probe_of_some_rows_is_not_learned_as_a_steady_draft_cost():
+    class ProbeThenSpeculate(SpeculationController):
+        def __init__(self):
+            super().__init__(2, probe_rows=2, truncate=False)
+            self.calls: list[tuple[bool, float | None]] = []  # (probing, draft_s) of each speculative step
+
+        def choose(self, rows):
+            self.probing = not self.calls
+            return 2
+
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+            self.calls.append((self.probing, draft_s))
+            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed, ragged)
+
+    model = model_for_greedy()
+    c = ProbeThenSpeculate()
+    generate(model, PROMPTS, drafter=SkewedDrafter(model.args.vocab_size, point_mass=True), num_speculative_tokens=2,
+             temperature=0, max_new_tokens=8, stop_token_ids=[], adaptive=c)
+    # the probe (2 of 4 rows) and the proposal after it, which absorbs the other rows' backlog, teach no draft cost
+    assert [p for p, _ in c.calls[:2]] == [True, False] and c.calls[0][1] is None and c.calls[1][1] is None
+    assert c.calls[2][1] is not None
