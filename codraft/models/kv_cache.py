@@ -70,7 +70,7 @@ class KVCache:
 
 def take_rows(t: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:
     """t with index i along `dim` taken from rows[i]: in place when there are no more rows than before, copying
-    only the rows that change place, so a batch whose finished rows are refilled from its end (`compaction`)
+    only the rows that change place, so a batch whose finished rows are refilled from its end (rollout/engine.py)
     copies one row per finished one. A new copy of the whole cache cost ~40 ms at batch 32 (~0.5 decode
     steps) each time some rows finished, which plain decoding of equal-length rows paid once."""
     n = rows.numel()
@@ -84,13 +84,3 @@ def take_rows(t: torch.Tensor, rows: torch.Tensor, dim: int) -> torch.Tensor:
     for i, value in zip(moved, values, strict=True):
         t.select(dim, i).copy_(value)
     return t.narrow(dim, 0, n)
-
-
-def compaction(done: torch.Tensor) -> torch.Tensor:
-    """The rows that go on (done [B] is False), ordered so that those already among the first n (n of them go on)
-    keep their places and each finished row there takes one from past n."""
-    n = int((~done).sum())
-    keep = torch.arange(n, device=done.device)
-    holes = done[:n].nonzero().flatten()
-    keep[holes] = (~done[n:]).nonzero().flatten() + n
-    return keep

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from codraft.models import KVCache, Transformer
-from codraft.models.kv_cache import compaction
 from codraft.models.linear import pack_linears, unpack_linears
 from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal, right_padded
@@ -101,6 +100,16 @@ def _usable(proposal: Proposal, rows: int, k: int, vocab_size: int) -> str | Non
                "probs are negative or not finite",
                "probs do not sum to 1", "a proposed token has zero draft probability"]
     return next((why for why, bad in zip(reasons, failed, strict=False) if bad), None)
+
+
+def compaction(done: torch.Tensor) -> torch.Tensor:
+    """The rows that go on (done [B] is False), ordered so that those already among the first n (n of them go on)
+    keep their places and each finished row there takes one from past n."""
+    n = int((~done).sum())
+    keep = torch.arange(n, device=done.device)
+    holes = done[:n].nonzero().flatten()
+    keep[holes] = (~done[n:]).nonzero().flatten() + n
+    return keep
 
 
 def _prefill(model: Transformer, prompts: list[list[int]], room: int, taps: tuple[int, ...]

@@ -193,7 +193,8 @@ def test_rotary_is_bit_for_bit_hf_rotate_half():
 
 
 def test_finished_rows_slots_are_refilled_from_the_end_in_place():
-    from codraft.models.kv_cache import compaction, take_rows
+    from codraft.models.kv_cache import take_rows
+    from codraft.rollout.engine import compaction
 
     done = torch.tensor([False, True, False, False, True, False])
     keep = compaction(done)
