@@ -3,6 +3,7 @@ import types
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from codraft.config import Config, ConfigError, config_to_dict, load_config, require, save_config, with_overrides
 
@@ -352,6 +353,14 @@ def test_the_policy_rules_accept_their_valid_neighbours():
                       ["draft.family=none", "draft.tap_layers=[1,2]"]):
         cfg = load_config(None, ["model.path=tiny-llama", *overrides])
         assert load_policy(cfg)[0].args.num_layers == policy_args(cfg).num_layers == 4
+
+
+@pytest.mark.parametrize("setting,dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_the_policy_carries_the_rollout_matmul_dtype_of_model_inference_dtype(setting, dtype):
+    from codraft.models import load_policy
+
+    cfg = load_config(None, ["model.path=tiny-llama", f"model.inference_dtype={setting}"])
+    assert load_policy(cfg)[0].inference_dtype == dtype
 
 
 @pytest.mark.parametrize("layout", [[], ["parallel.pp=2"]], ids=["pp1", "pp2-before-relaunch"])

@@ -27,7 +27,7 @@ from codraft.bench.report import interleaved, machine, markdown_table, median, r
 from codraft.config import DraftConfig
 from codraft.drafts import build_draft
 from codraft.models import Tokenizer, Transformer
-from codraft.models.linear import pack_linears, unpack_linears
+from codraft.models.linear import pack_linears, packed_weight_bytes, unpack_linears
 from codraft.rollout import SpeculationController, generate
 from codraft.rollout.drafters import NgramDrafter
 
@@ -69,11 +69,12 @@ def _hf_generate(hf, prompts: list[list[int]], pad_id: int, n: int, **kwargs) ->
 @torch.no_grad()
 def verify_cost_ratios(model: Transformer, batch: int, context: int, repeats: int) -> dict[str, dict[int, float]]:
     """Seconds of a t-token forward per row over a `context`-long cache / a 1-token one, with plain F.linear and
-    with packed weights (shapes interleaved within each; packing happens outside the timed calls)."""
+    with packed weights in the model's `inference_dtype` (shapes interleaved within each; packing happens outside
+    the timed calls)."""
     cache = model.new_cache(batch, context + max(VERIFY_TOKENS))
     cache.lengths.fill_(context)
     ratios = {}
-    for name, prepare in (("plain", unpack_linears), ("packed", pack_linears)):
+    for name, prepare in (("plain", unpack_linears), ("packed", lambda m: pack_linears(m, dtype=m.inference_dtype))):
         prepare(model)
         runs = {t: (lambda t=t: model(torch.zeros(batch, t, dtype=torch.long), cache=cache))
                 for t in (1, *VERIFY_TOKENS)}
@@ -85,7 +86,9 @@ def verify_cost_ratios(model: Transformer, batch: int, context: int, repeats: in
 def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_sizes: list[int], max_new_tokens: int,
                       repeats: int, k: int, out_dir: str) -> dict:
     bandwidth = read_bandwidth_gbs()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    pack_linears(model, dtype=model.inference_dtype)
+    weight_bytes = packed_weight_bytes(model)  # what a decode step reads: bf16 copies where the rollout runs them
+    matmul_dtype = str(model.inference_dtype or next(model.parameters()).dtype).removeprefix("torch.")
     args = model.args
     pad_id = tokenizer.eos_token_ids[0]
     untrained = build_draft(DraftConfig(family="eagle3"), model, tokenizer).eval()
@@ -108,11 +111,14 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
             runs["hf_assisted_prompt_lookup"] = lambda p=prompts: _hf_generate(
                 hf, p, pad_id, max_new_tokens, prompt_lookup_num_tokens=k)
         times, outputs = interleaved(runs, repeats)
+        reference = generate(model, prompts, packed_weights=False, **plain)  # F.linear at the weights' precision
+        pack_linears(model, dtype=model.inference_dtype)  # what the reference run dropped, not in a timed run
         tokens = batch * max_new_tokens
         tps = {name: tokens / median(ts) for name, ts in times.items()}
         ar, spec, adaptive = outputs["codraft_ar"], outputs["codraft_ngram"], outputs["codraft_ngram_adaptive"]
         untrained_out = outputs["codraft_untrained_eagle3_adaptive"]
-        same_as_hf = ar.tokens == outputs["hf_generate"]
+        same_as_hf = reference.tokens == outputs["hf_generate"]
+        rows_as_reference = sum(a == b for a, b in zip(ar.tokens, reference.tokens, strict=True))
         spec_same_as_ar = all(o.tokens == ar.tokens for o in (spec, adaptive, untrained_out))
         step_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
         mean_ctx = sum(map(len, prompts)) / batch + max_new_tokens / 2
@@ -140,7 +146,8 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
             "bandwidth_floor_step_ms": 1000 * floor_s,
             "step_vs_bandwidth_floor": step_s / floor_s,
             "verify_cost_ratio": ratios,
-            "ar_identical_to_transformers": same_as_hf,
+            "reference_identical_to_transformers": same_as_hf,
+            "ar_rows_identical_to_reference": rows_as_reference,
             "speculative_identical_to_ar": spec_same_as_ar,
         }
         results.append(result)
@@ -151,19 +158,22 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
                      str(result["adaptive_k_histogram"]), result["time_untrained_eagle3_adaptive_vs_ar"],
                      tps.get("hf_assisted_prompt_lookup", float("nan")), result["decode_step_ms"],
                      result["bandwidth_floor_step_ms"], result["step_vs_bandwidth_floor"], same_as_hf,
-                     spec_same_as_ar])
+                     f"{rows_as_reference}/{batch}", spec_same_as_ar])
         cost_rows.append([batch, *(f"{ratios['plain'][t]:.2f} / {ratios['packed'][t]:.2f}" for t in VERIFY_TOKENS)])
     header = ["batch", "codraft AR tok/s", "HF generate tok/s", "AR / HF", "codraft n-gram tok/s", "tau n-gram",
               "codraft adaptive tok/s", "adaptive / AR", "adaptive k used", "untrained EAGLE-3 adaptive time / AR",
-              "HF assisted tok/s", "decode ms/step", "bandwidth floor ms/step", "step / floor", "AR tokens = HF",
-              "spec tokens = AR"]
+              "HF assisted tok/s", "decode ms/step", "bandwidth floor ms/step", "step / floor", "reference tokens = HF",
+              "AR rows = reference", "spec tokens = AR"]
     table = markdown_table(header, rows)
     table += (f"\nk = {k}, {max_new_tokens} new tokens per row, greedy, medians of {repeats} interleaved repeats; "
-              f"read bandwidth {bandwidth:.1f} GB/s, weights {weight_bytes / 1e6:.0f} MB.\n\n")
+              f"read bandwidth {bandwidth:.1f} GB/s; codraft's matmuls in {matmul_dtype} (the head in the weights' "
+              f"dtype), {weight_bytes / 1e6:.0f} MB of weights read per step; reference = codraft with F.linear at "
+              f"the weights' precision, HF generate in it too.\n\n")
     table += markdown_table(["batch", *(f"{t} tokens / decode (plain / packed)" for t in VERIFY_TOKENS)], cost_rows)
     table += "\nTarget forward of t tokens per row over the cache relative to a 1-token decode step at the same " \
              "batch, plain F.linear against the oneDNN-packed weights the engine uses; interleaved, medians.\n"
-    payload = {"machine": machine(), "bandwidth_gbs": bandwidth, "k": k, "max_new_tokens": max_new_tokens,
+    payload = {"machine": machine(), "bandwidth_gbs": bandwidth, "matmul_dtype": matmul_dtype,
+               "weight_bytes_per_step": weight_bytes, "k": k, "max_new_tokens": max_new_tokens,
                "repeats": repeats, "results": results}
     write_results(out_dir, "rollout", payload, table)
     return payload

@@ -21,8 +21,15 @@ call `unpack_linears` or `pack_linears(..., force=True)`.
 
 `FusedLinears` groups linears that read the same input (q/k/v, gate/up): their
 weights are packed side by side and run as one matmul. A copy may be in another
-dtype than its weights (`pack_linears(..., dtype=torch.bfloat16)`, a draft's
-rollout matmuls): inputs are cast to the copy's dtype and outputs back.
+dtype than its weights (`pack_linears(..., dtype=torch.bfloat16)`, the rollout matmuls
+of `model.inference_dtype` and `draft.inference_dtype`): inputs are cast to the copy's dtype and outputs back.
+A Linear marked `keep_dtype` (a policy's lm_head: logits and log-probs at the weights' precision) keeps its own.
+
+A bf16 copy runs calls of more than 32 rows as slices of 32. oneDNN's bf16 kernels (AMX on this host) sum in
+another order above 32 rows, and a bf16 output rounds that difference to a whole bf16 step: the same row of
+SmolLM2's down projection came out 1e-3 apart alone and among 40 rows, and its logits up to 0.35 apart, where up
+to 32 rows it is bitwise what it is alone (tested). Sliced, a row's output never depends on its call's other
+rows, so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice.
 
 Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
 padding decode and verify calls up to 5-6 rows measured 0.96-1.08x on SmolLM2's whole forward (in-process
@@ -52,6 +59,7 @@ log = logging.getLogger(__name__)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 _UNPADDED_ROWS = 8  # calls of up to this many rows run as they are
 _WARM_ROWS = 256  # `_warm` builds the kernels of the row counts up to this
+_BF16_ROWS = 32  # bf16 calls of more rows run in slices of this many (module docstring)
 _warmed: set[tuple] = set()  # the weight shapes whose kernels `_warm` has built in this process
 
 
@@ -103,8 +111,13 @@ def _run_packed(x: torch.Tensor, packed: PackedWeight, out_features: int) -> tor
     matmul in bf16 and hands back fp32)."""
     dtype = packed.weight.dtype
     rows = x.numel() // x.shape[-1]
-    padding = run_rows(rows) - rows
     xin = x if x.dtype == dtype else x.to(dtype)
+    if dtype == torch.bfloat16 and rows > _BF16_ROWS:
+        flat = xin.reshape(rows, x.shape[-1])
+        out = torch.cat([_run_packed(flat[i : i + _BF16_ROWS], packed, out_features)
+                         for i in range(0, rows, _BF16_ROWS)])
+        return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
+    padding = run_rows(rows) - rows
     if not padding:
         out = torch.ops.mkldnn._linear_pointwise(xin, packed.weight, packed.bias, "none", [], "")
     else:
@@ -126,6 +139,7 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters and state dict) with an optional packed weight for inference."""
 
     packed: PackedWeight | None = None
+    keep_dtype = False  # packed in its weight's own dtype whatever `pack_linears` asks (a policy's logits)
 
     def _key(self) -> tuple[int, int]:
         """Changes when the weight does: in-place updates bump the version, `.to()`/`.data =` move the storage."""
@@ -206,7 +220,8 @@ def _warm(packed: PackedWeight, weight: torch.Tensor) -> None:
     if key in _warmed:
         return
     _warmed.add(key)
-    for rows in sorted({run_rows(r) for r in range(1, _WARM_ROWS + 1)}):
+    most = _BF16_ROWS if weight.dtype == torch.bfloat16 else _WARM_ROWS
+    for rows in sorted({run_rows(r) for r in range(1, most + 1)}):
         x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
         torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
@@ -216,8 +231,8 @@ _warned = False
 
 def pack_linears(module: nn.Module, force: bool = False, dtype: torch.dtype | None = None) -> int:
     """Pack every codraft Linear and FusedLinears group in `module` whose copy is missing, stale or of another
-    dtype than `dtype` (default: the weights' own); returns how many are packed. Without oneDNN (or off CPU)
-    nothing is packed and the plain path runs, with one logged line."""
+    dtype than `dtype` (default: the weights' own; a Linear with `keep_dtype` always its own); returns how many
+    are packed. Without oneDNN (or off CPU) nothing is packed and the plain path runs, with one logged line."""
     global _warned
     if not packing_available():
         if not _warned:
@@ -232,8 +247,18 @@ def pack_linears(module: nn.Module, force: bool = False, dtype: torch.dtype | No
             if id(m) in grouped:
                 m.packed = None  # runs through its groups
             else:
-                count += m.pack(force, dtype)
+                count += m.pack(force, None if m.keep_dtype else dtype)
     return count + sum(g.pack(force, dtype) for g in groups)
+
+
+def packed_weight_bytes(module: nn.Module) -> int:
+    """Bytes of `module`'s weights a forward reads: each parameter once, a packed one in its copy's dtype."""
+    copy_size = {id(m.weight): m.packed.weight.element_size()
+                 for m in module.modules() if isinstance(m, Linear) and m.packed is not None}
+    for g in _groups(module):
+        if g.packed is not None:
+            copy_size |= {id(m.weight): g.packed.weight.element_size() for m in g.linears}
+    return sum(p.numel() * copy_size.get(id(p), p.element_size()) for p in module.parameters())
 
 
 def unpack_linears(module: nn.Module) -> None:

@@ -28,6 +28,7 @@ from codraft.config import Config, ConfigError
 from codraft.models.args import ModelArgs
 from codraft.models.gguf_checkpoint import gguf_metadata, model_args_from_gguf, read_gguf, tensor_shapes
 from codraft.models.hf_checkpoint import read_hf_args, read_hf_state_dict
+from codraft.models.linear import packed_dtype
 from codraft.models.model import Transformer
 from codraft.models.presets import PRESETS, byte_tokenizer, random_state_dict
 from codraft.models.tokenizer import Tokenizer
@@ -200,4 +201,5 @@ def load_policy(cfg: Config, path: str | None = None) -> tuple[Transformer, Toke
                                                              device=cfg.model.device))
     if path is None:
         check_policy_rules(cfg, model.args)
+        model.inference_dtype = packed_dtype(cfg.model.inference_dtype, next(model.parameters()).dtype)
     return model.eval(), tokenizer

@@ -159,7 +159,11 @@ class Transformer(nn.Module):
     """The whole decoder, or the pipeline stage holding layers [first_layer, last_layer).
 
     `embed`/`head` default to whether the stage starts at layer 0 / ends at the last layer.
+    `inference_dtype` is the dtype of the packed copies its rollout matmuls run on (None: the weights' own;
+    `load_policy` sets `model.inference_dtype`); the head always runs in the weights' dtype.
     """
+
+    inference_dtype: torch.dtype | None = None
 
     def __init__(
         self,
@@ -183,6 +187,8 @@ class Transformer(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False) if head else None
         if head and embed and args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if head:  # logits and log-probs (the sampled distribution, RL's inference log-probs) at full precision
+            self.lm_head.keep_dtype = True
         self.rotary = RotaryEmbedding(args)
 
     def init_buffers(self, device: torch.device | str) -> None:

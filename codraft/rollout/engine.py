@@ -158,9 +158,10 @@ def generate(
     target forward; the output distribution is the target's either way. `adaptive`
     (True or a controller kept across calls) picks k per step and may turn
     speculation off when it does not pay. `packed_weights` runs the target's and
-    the draft's linears on oneDNN-packed copies (models/linear.py); False is the
-    plain F.linear reference path. `max_new_tokens` is one limit for every row or a list with one per prompt
-    (`codraft bench draft` decodes plainly at the lengths a speculative run produced).
+    the draft's linears on oneDNN-packed copies (models/linear.py), in `model.inference_dtype` and the drafter's
+    `model_dtype`; False is the plain F.linear reference path at the weights' precision. `max_new_tokens` is one
+    limit for every row or a list with one per prompt (`codraft bench draft` decodes plainly at the lengths a
+    speculative run produced).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if num_speculative_tokens < 0:
@@ -181,7 +182,8 @@ def generate(
     stats = RolloutStats(rows=len(prompts))
     taps = drafter.tap_layers if drafter is not None else ()
     start = time.perf_counter()
-    for module, dtype in ((model, None), (drafter.model, drafter.model_dtype) if drafter is not None else (None, None)):
+    packing = [(model, model.inference_dtype)] + ([(drafter.model, drafter.model_dtype)] if drafter is not None else [])
+    for module, dtype in packing:
         if module is not None:  # packing is a no-op unless weights (or the dtype asked for) changed since the last call
             pack_linears(module, dtype=dtype) if packed_weights else unpack_linears(module)
     stats.time_pack_s = time.perf_counter() - start

@@ -190,3 +190,25 @@ def test_auto_is_bf16_only_on_native_bf16_arithmetic(monkeypatch, native):
     assert auto == (torch.bfloat16 if native and packing_available() else torch.float32)
     assert packed_dtype("float32", torch.float32) == torch.float32
     assert packed_dtype("bfloat16", torch.float32) == torch.bfloat16
+
+
+@pytest.mark.skipif(not linear.native_bf16(), reason="bf16 copies are used only where the CPU has bf16 arithmetic")
+def test_a_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call():
+    """oneDNN's bf16 kernels sum in another order above 32 rows and round the difference to a bf16 step; the copy
+    runs larger calls in slices, so a verify forward's row is bitwise its decode step's."""
+    torch.manual_seed(0)
+    layer = Linear(1536, 576, bias=False)  # SmolLM2's down projection
+    pack_linears(layer, dtype=torch.bfloat16)
+    x = torch.randn(100, 1536)
+    with torch.no_grad():
+        together = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(100)])
+    assert torch.equal(together, alone)
+
+
+def test_a_linear_marked_keep_dtype_is_packed_in_its_own_dtype_whatever_is_asked():
+    module = torch.nn.ModuleDict({"body": Linear(24, 40), "head": Linear(40, 8)})
+    module["head"].keep_dtype = True
+    assert pack_linears(module, dtype=torch.bfloat16) == 2
+    assert module["body"].packed.weight.dtype == torch.bfloat16
+    assert module["head"].packed.weight.dtype == torch.float32

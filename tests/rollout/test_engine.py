@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 
+from codraft.models.linear import native_bf16
 from codraft.rollout import Proposal, SamplingParams, SpeculationController, generate
 from codraft.rollout.drafters import NgramDrafter, PreviousRolloutDrafter
 from codraft.rollout.sampling import probabilities
@@ -277,6 +278,20 @@ def test_packed_weights_give_the_reference_paths_tokens_and_logprobs(params):
     assert fast.tokens == reference.tokens
     for a, b in zip(fast.logprobs, reference.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bf16 copies are used only where the CPU has bf16 arithmetic")
+def test_bf16_rollout_matmuls_keep_greedy_speculation_equal_to_plain_decoding():
+    """`model.inference_dtype`: the policy's linears run on bf16 copies, its head on fp32 ones."""
+    model = model_for_greedy()
+    model.inference_dtype = torch.bfloat16
+    plain = generate(model, PROMPTS, temperature=0, max_new_tokens=24, stop_token_ids=[])
+    assert model.layers["0"].mlp.down_proj.packed.weight.dtype == torch.bfloat16
+    assert model.lm_head.packed.weight.dtype == torch.float32
+    for drafter in (NgramDrafter(), SkewedDrafter(48)):
+        spec = generate(model, PROMPTS, drafter=drafter, num_speculative_tokens=3, temperature=0, max_new_tokens=24,
+                        stop_token_ids=[])
+        assert spec.tokens == plain.tokens
 
 
 def test_greedy_verification_equals_verification_against_point_masses():
