@@ -3,10 +3,10 @@
 Distillation starts by generating the policy's answers (320 chain prompts x ~110 tokens at T=1 took 13 min
 here), and every family, warm start and ablation on the same policy, prompts and generation settings would
 generate the same ones. They are kept in `$CODRAFT_CACHE/responses/<key>.json` (default `~/.cache/codraft`),
-where key hashes what they depend on: the policy (its ModelArgs, dtype and weights fingerprint), the prompts'
-token ids and draft_train's temperature, max_new_tokens and generate_batch_size, and the seed. A file is
-written whole (temporary sibling, fsync, rename) and read back checked; one that is damaged or holds another
-key is regenerated, with one warning saying why.
+where key hashes what they depend on: the policy (its ModelArgs, dtype, weights fingerprint and the dtype its
+rollout matmuls run in), the prompts' token ids and draft_train's temperature, max_new_tokens and
+generate_batch_size, and the seed. A file is written whole (temporary sibling, fsync, rename) and read back
+checked; one that is damaged or holds another key is regenerated, with one warning saying why.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def responses_key(policy: Transformer, prompts: list[list[int]], dt: DraftTrainC
     return {
         "format": CACHE_FORMAT,
         "policy": {"args": json.loads(json.dumps(dataclasses.asdict(policy.args))), "dtype": str(param.dtype),
-                   "weights": weights_fingerprint(policy)},
+                   "weights": weights_fingerprint(policy), "inference_dtype": str(policy.inference_dtype)},
         "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
         "generation": {"temperature": dt.temperature, "max_new_tokens": dt.max_new_tokens,
                        "generate_batch_size": dt.generate_batch_size, "seed": seed},

@@ -73,7 +73,8 @@ def cache_key(cfg: Config, policy: Transformer) -> dict:
     key = {
         "format": CACHE_FORMAT,
         "policy": {"path": model_path, "dtype": cfg.model.dtype, "args": dataclasses.asdict(policy.args),
-                   "weights": weights_fingerprint(policy)},
+                   "weights": weights_fingerprint(policy),
+                   "inference_dtype": str(policy.inference_dtype)},  # its answers and taps are computed in it
         "draft": used_settings("draft", cfg.draft),
         "task": task,
         "draft_train": used_settings("draft_train", cfg.draft_train),

@@ -40,9 +40,13 @@ def test_a_second_call_reads_the_cache_and_other_settings_miss_it(cache):
         policy.lm_head.weight.add_(1.0)  # another policy (an RL step moved it)
     responses.policy_responses(policy, PROMPTS, dt, seed=0)
     assert len(cache) == 4
+    policy.inference_dtype = torch.bfloat16  # its answers come from bf16 matmuls (model.inference_dtype)
+    responses.policy_responses(policy, PROMPTS, dt, seed=0)
+    policy.inference_dtype = None
+    assert len(cache) == 5
     responses.policy_responses(policy, PROMPTS, DraftTrainConfig(max_new_tokens=6, generate_batch_size=2,
                                                                   cache_responses=False), seed=0)
-    assert len(cache) == 5
+    assert len(cache) == 6
 
 
 @pytest.mark.parametrize("damage", ["truncate", "other_key", "wrong_count"])

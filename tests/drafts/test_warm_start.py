@@ -90,6 +90,8 @@ def test_the_key_follows_what_the_draft_depends_on(distillations):
                      "model.dtype=bfloat16"):
         other, other_policy, _ = setup(override)
         assert entry_of(other, other_policy) != entry, override
+    rollouts = [entry_of(*setup(f"model.inference_dtype={d}")[:2]) for d in ("float32", "bfloat16")]
+    assert rollouts[0] != rollouts[1]  # the policy's answers and taps come from its rollout matmuls
     assert entry_of(*setup("draft.family=dflash")[:2]).name.startswith("dflash-")
     assert entry_of(*setup("task.reward=correctness+format")[:2]) == entry  # distillation never scores
     with torch.no_grad():
