@@ -21,7 +21,10 @@ others ride in its forward at the cost of decoding. While on, one
 step in 32 decodes plainly to keep the decode cost it compares against fresh.
 A proposal that first absorbs a backlog (the prompt, or the tokens committed
 while speculation was off) says nothing about the steady per-step draft cost,
-so its time is not learned from.
+so its time is not learned from; until one is, drafting is priced at 5% of a
+decode step per token. Where no forward of several tokens per row was timed at
+the batch's row count (or more), the first speculative step is k = 1: the
+cheapest shape, whose timing then prices the others.
 
 What the per-step model leaves out is audited once per generate call: the
 seconds of the call's draft and verify steps against what plain decoding of the
@@ -100,6 +103,11 @@ class VerifyCostModel:
                 return 1 + (ratio - 1) * (tokens - 1) / (t - 1)
         return 1 + self.prior_extra * (tokens - 1)
 
+    def verify_timed(self, rows: int) -> bool:
+        """A forward of more than one token per row was timed at `rows` rows or more (where the cost per extra token
+        is at least what it is at `rows`)."""
+        return any(r >= rows for t, by_rows in self.points.items() if t > 1 for r in by_rows)
+
     def __call__(self, rows: int, tokens: int) -> float:
         assert 1 in self.points, "cost model used before any decode step was observed"
         decode = self._at_rows(1, rows)
@@ -127,7 +135,7 @@ class SpeculationController:
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int = 1, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, audit_prior_steps: float = 32.0,
-                 max_overhead: float = 2.0, truncate: bool = True):
+                 max_overhead: float = 2.0, truncate: bool = True, draft_prior: float = 0.05):
         if probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1 (the rows whose drafts a probe verifies), got {probe_rows}")
         self.max_k = max_k
@@ -140,6 +148,10 @@ class SpeculationController:
         self.trials = [0.0] * max_k  # discounted reached counts per position
         self.cost = VerifyCostModel()
         self.draft_s: dict[int, float] = {}  # k -> EMA of the draft's seconds for one proposal
+        # until a steady proposal is timed, a drafted token costs this share of a decode step (issue 11's budget for
+        # EAGLE-3; measured 3-5% here). Priced at 0, drafting looked free to a batch whose probes sample some of its
+        # rows (they teach no draft cost) until one speculative step followed another
+        self.draft_prior = draft_prior
         self.probe_k, self.first_probe, self.max_probe_interval = probe_k, first_probe, max_probe_interval
         # a probe verifies the drafts of its first `probe_rows` rows only: a sample of acceptance needs no more,
         # and at batch 32 verifying all 32 rows' drafts cost a probe 0.41 decode steps against 0.12 for 4 rows
@@ -210,19 +222,20 @@ class SpeculationController:
             total += alive
         return total
 
-    def draft_cost(self, k: int) -> float:
-        """Seconds of one proposal of k tokens: observed, else the nearest observed k scaled by k (0 if none)."""
+    def draft_cost(self, k: int, rows: int) -> float:
+        """Seconds of one proposal of k tokens: observed, else the nearest observed k scaled by k, else (no steady
+        proposal timed yet: a batch whose probes sample some of its rows) `draft_prior` decode steps per token."""
         if k in self.draft_s:
             return self.draft_s[k]
         if not self.draft_s:
-            return 0.0
+            return self.draft_prior * k * self.cost(rows, 1)
         near = min(self.draft_s, key=lambda j: abs(j - k))
         return self.draft_s[near] * k / near
 
     def step_seconds(self, rows: int, k: int) -> float:
         if not k:
             return self.cost(rows, 1)
-        return self.cost(rows, 1 + self.verified_drafts(k)) + self.draft_cost(k) + self.step_overhead(rows)
+        return self.cost(rows, 1 + self.verified_drafts(k)) + self.draft_cost(k, rows) + self.step_overhead(rows)
 
     def verified_drafts(self, k: int) -> float:
         """Drafts per row a step of k verifies: observed, else k times the share verified at the nearest observed k."""
@@ -262,8 +275,12 @@ class SpeculationController:
         self.probing = False
         if not self.cost.known():
             return 0  # the first steps decode plainly and so time a decode step
-        rates = [self.tokens_per_second(rows, k) for k in range(self.max_k + 1)]
-        best = max(range(self.max_k + 1), key=rates.__getitem__)
+        # until a forward of several tokens per row was timed at these rows (or more), the first full step is the
+        # cheapest one: the others' prior is a guess (a batch-32 verify of 4 tokens priced 1.6x a decode step
+        # from the prior cost 2.4x, in a step chosen right after a probe; probes of some rows time no whole shape)
+        most = self.max_k if self.cost.verify_timed(rows) else min(1, self.max_k)
+        rates = [self.tokens_per_second(rows, k) for k in range(most + 1)]
+        best = max(range(most + 1), key=rates.__getitem__)
         if rates[best] < (1 + self.min_gain) * rates[0]:  # a predicted gain within the model's error is no gain
             best = 0
         if best and self.trials[0]:

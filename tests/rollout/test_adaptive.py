@@ -22,6 +22,18 @@ def observe_acceptance(c: SpeculationController, rate: float, rows: int, steps: 
         c.observe(k, reached, accepted, rows, verify_s=c.cost(rows, k + 1), draft_s=0.001 * k)
 
 
+def test_until_a_multi_token_forward_is_timed_at_these_rows_the_first_full_step_is_k_1():
+    """Probes of some rows time no whole shape; the prior of an untimed one is a guess, so the cheapest goes first."""
+    c = SpeculationController(4)
+    for _ in range(2):
+        c.observe(0, [], [], 32, verify_s=0.05, draft_s=None)
+    observe_acceptance(c, 0.9, rows=1, steps=20, k=4)  # acceptance seen elsewhere; verify timed at 1 row only
+    assert c.choose(32) == 1
+    c.cost.observe(32, 2, 0.055)  # that step, timed: cheap, so longer drafts are worth it
+    assert c.choose(32) > 1
+    assert c.choose(1) > 1  # timed at 1 row already (there probes verify whole rows)
+
+
 def test_k_is_zero_when_verification_costs_more_than_it_saves():
     c = controller_with_costs(decode_s=0.01, extra_per_token=1.0)  # each extra token costs a whole decode step
     observe_acceptance(c, 0.6, rows=1, steps=20, k=4)
@@ -96,9 +108,9 @@ def test_decoding_stays_plain_until_a_decode_step_was_timed_twice():
 def test_a_proposal_that_absorbed_a_backlog_does_not_set_the_draft_cost():
     c = controller_with_costs(decode_s=0.01, extra_per_token=0.05)
     c.observe(2, [1, 1], [1, 0], 1, verify_s=0.0105, draft_s=None)  # e.g. a probe after 64 steps off
-    assert c.draft_cost(2) == 0.0
+    assert c.draft_cost(2, 1) == c.draft_prior * 2 * 0.01  # none timed yet: the prior share of a decode step
     c.observe(2, [1, 1], [1, 0], 1, verify_s=0.0105, draft_s=0.002)
-    assert c.draft_cost(2) == 0.002
+    assert c.draft_cost(2, 1) == 0.002
 
 
 def test_while_speculating_a_plain_step_re_times_decode_at_each_row_count():
@@ -168,7 +180,7 @@ def audited_call(c: SpeculationController, rows: int, steps: int, seconds: float
     for _ in range(steps):
         k = c.choose(rows)
         chosen.append(k)
-        priced += c.cost(rows, k + 1) + (c.draft_cost(k) if k else 0.0)
+        priced += c.cost(rows, k + 1) + (c.draft_cost(k, rows) if k else 0.0)
         observe_acceptance(c, 0.8, rows=rows, steps=1, k=k) if k else c.observe(0, [], [], rows, c.cost(rows, 1), None)
     emitted = round(sum(c.expected_tokens(k) for k in chosen))
     c.end_batch([emitted] * rows, priced if seconds is None else seconds)
