@@ -135,7 +135,8 @@ class SpeculationController:
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int = 1, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, audit_prior_steps: float = 32.0,
-                 max_overhead: float = 2.0, truncate: bool = True, draft_prior: float = 0.05):
+                 max_overhead: float = 2.0, truncate: bool = True, draft_prior: float = 0.05,
+                 probe_budget: float = 0.02):
         if probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1 (the rows whose drafts a probe verifies), got {probe_rows}")
         self.max_k = max_k
@@ -163,6 +164,12 @@ class SpeculationController:
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
         self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
+        # rows -> a probe's seconds beyond a plain step, in decode steps (EMA). At batch 32 a probe's 36-row forward
+        # reads the bf16 weights twice and its draft absorbs 4 prompts: with three probes in a 47-step call and no
+        # other speculation, a call took 1.06x plain decoding's time (in-process A/B). Probes come at most once in
+        # probe_cost / probe_budget steps off, the start of a call included
+        self.probe_cost: dict[int, float] = {}
+        self.probe_budget = probe_budget
         # batch size -> decode steps of cost per speculative step that the per-step model does not see, learned
         # from each call's audit; a call's estimate weighs steps / (steps + audit_prior_steps), since one
         # probe's share of a whole call's timing noise is large
@@ -179,8 +186,10 @@ class SpeculationController:
 
     def new_batch(self, rows: int) -> None:
         """A generate call of `rows` rows starts: new prompts (and, in training, an updated draft) may accept
-        differently, so if speculation is off its next step is a probe."""
-        self.steps_off = max(self.steps_off, self.probe_interval - 1)
+        differently, so if speculation is off its next step is a probe, unless the last one was too recent for
+        the probe budget at this batch size."""
+        if self.steps_off >= self.probe_wait(rows):
+            self.steps_off = max(self.steps_off, self.probe_interval - 1)
         self.call = CallAudit(rows=rows, overhead=self.overhead.get(rows, 0.0))
 
     def end_batch(self, decode_steps: list[int], seconds: float) -> None:
@@ -290,12 +299,23 @@ class SpeculationController:
             return best
         # off, or on by the prior alone (no acceptance observed yet), which is only worth a probe
         self.steps_off += 1
-        if not best and self.steps_off < self.probe_interval:
+        if not best and self.steps_off < max(self.probe_interval, self.probe_wait(rows)):
             return 0
         self.steps_off = 0
         self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
         self.probing = True
         return min(self.probe_k, self.max_k)
+
+    def probe_wait(self, rows: int) -> float:
+        """Steps off between probes at `rows` that keep their measured extra cost within `probe_budget` of the
+        plain steps' time."""
+        return self.probe_cost.get(rows, 0.0) / self.probe_budget
+
+    def observe_probe(self, rows: int, seconds: float) -> None:
+        """A probe's draft and verify took `seconds` (its proposal's backlog included: that is what it cost)."""
+        extra = max(seconds / self.cost(rows, 1) - 1, 0.0) if self.cost.known() else 0.0
+        old = self.probe_cost.get(rows)
+        self.probe_cost[rows] = extra if old is None else 0.7 * old + 0.3 * extra
 
     def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,
                 draft_s: float | None, fed: int | None = None, ragged: bool = False) -> None:

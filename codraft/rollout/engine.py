@@ -317,6 +317,8 @@ def generate(
             live * (width + 1) if active is None else active.numel(),
             active is not None,
         )
+        if probing:
+            controller.observe_probe(live, time.perf_counter() - t_draft)
         caught_up = k > 0 and sampled_all
         done = hit | (n_out >= limit)
         if bool(done.any()):

@@ -34,6 +34,27 @@ def test_until_a_multi_token_forward_is_timed_at_these_rows_the_first_full_step_
     assert c.choose(1) > 1  # timed at 1 row already (there probes verify whole rows)
 
 
+def test_probes_that_cost_a_decode_step_come_once_in_fifty_steps_off_even_at_the_start_of_a_call():
+    c = controller_with_costs(decode_s=0.05, extra_per_token=1.0, rows=32)  # speculation never pays here
+    observe_acceptance(c, 0.3, rows=32, steps=4, k=1)
+    c.observe_probe(32, 0.10)  # a probe took two decode steps' time
+    assert c.probe_wait(32) == (0.10 / 0.05 - 1) / c.probe_budget == 50
+    probes = []
+    for call in range(6):  # 48-step calls
+        c.new_batch(32)
+        for step in range(48):
+            k = c.choose(32)
+            if c.probing:
+                probes.append(48 * call + step)
+                c.observe_probe(32, 0.10)
+            c.observe(k, [32] * k, [0] * k, 32, verify_s=0.05, draft_s=None)
+    assert len(probes) >= 4 and min(b - a for a, b in zip(probes[:-1], probes[1:], strict=True)) >= 50, probes
+    cheap = controller_with_costs(decode_s=0.05, extra_per_token=1.0, rows=32)
+    observe_acceptance(cheap, 0.3, rows=32, steps=4, k=1)
+    cheap.new_batch(32)
+    assert cheap.choose(32) == 1 and cheap.probing  # an unmeasured probe cost: each call starts with a probe
+
+
 def test_k_is_zero_when_verification_costs_more_than_it_saves():
     c = controller_with_costs(decode_s=0.01, extra_per_token=1.0)  # each extra token costs a whole decode step
     observe_acceptance(c, 0.6, rows=1, steps=20, k=4)
