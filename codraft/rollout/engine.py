@@ -186,6 +186,8 @@ def generate(
     for module, dtype in packing:
         if module is not None:  # packing is a no-op unless weights (or the dtype asked for) changed since the last call
             pack_linears(module, dtype=dtype) if packed_weights else unpack_linears(module)
+        if module is model:
+            stats.time_pack_policy_s = time.perf_counter() - start
     stats.time_pack_s = time.perf_counter() - start
 
     B = len(prompts)

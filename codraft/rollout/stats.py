@@ -26,6 +26,7 @@ class RolloutStats:
     backlog_proposals: int = 0
     time_verify_s: float = 0.0
     time_pack_s: float = 0.0  # re-packing weights that changed since the last call (models/linear.py)
+    time_pack_policy_s: float = 0.0  # of time_pack_s, the policy's: a rollout without a draft pays it too
     time_total_s: float = 0.0
 
     @property

@@ -142,7 +142,8 @@ class Trainer:
         # 2. rollout with the current policy and draft, generated once per replica
         self.policy.eval()
         rollout, speedup = share_rollout(lambda: self._rollout(rows), self.dims)
-        t_step += speedup.get("rollout/plain_s", 0.0)  # the measurement's plain rollout is not part of the step
+        # the measurement's plain rollout is not part of the step (its plain_s holds a re-pack it did not run)
+        t_step += speedup.get("rollout/plain_s", 0.0) - speedup.get("rollout/policy_repack_s", 0.0)
         t_rollout = time.perf_counter() - t_step
 
         # 3. rewards -> group-normalised advantages

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from codraft.config import load_config
-from codraft.rollout import generate
+from codraft.models import linear as linear_module
+from codraft.rollout import Rollout, RolloutStats, generate
 from codraft.rollout import speedup as speedup_module
 from codraft.rollout.drafters import NgramDrafter
 from codraft.rollout.speedup import measured_speedup, plain_like
@@ -26,12 +27,37 @@ def test_plain_like_decodes_every_row_to_the_rollout_s_length_and_greedy_gives_i
     assert plain.stats.draft_tokens_proposed == 0
 
 
+def rollout_with(pack_policy_s: float) -> Rollout:
+    return Rollout([], [], [], [], RolloutStats(time_pack_policy_s=pack_policy_s))
+
+
 def test_the_measured_speedup_is_the_ratio_of_the_two_timings_and_nothing_else(monkeypatch):
-    clock = iter([100.0, 103.0])  # the plain run: 3 s
+    clock = iter([100.0, 103.0])  # the plain run: 3 s, 0.25 of them its own (no-op) packing check
     monkeypatch.setattr(speedup_module.time, "perf_counter", lambda: next(clock))
-    monkeypatch.setattr(speedup_module, "plain_like", lambda *a, **k: None)
-    out = measured_speedup(None, None, 2.0, temperature=1.0)
-    assert out == {"rollout/spec_s": 2.0, "rollout/plain_s": 3.0, "rollout/speedup_measured": 1.5}
+    monkeypatch.setattr(speedup_module, "plain_like", lambda *a, **k: rollout_with(0.25))
+    out = measured_speedup(None, rollout_with(0.75), 2.0, temperature=1.0)  # the rollout re-packed for 0.75 s
+    # the plain time is what a plain rollout at this step costs: its decoding plus the policy's re-pack
+    assert out == {"rollout/spec_s": 2.0, "rollout/plain_s": 3.5, "rollout/policy_repack_s": 0.5,
+                   "rollout/speedup_measured": 1.75}
+
+
+def test_after_an_update_only_the_rollout_re_packs_the_policy_and_times_it_apart(monkeypatch):
+    model = tiny_model(sharpen=4.0)
+    generate(model, PROMPTS, max_new_tokens=2)  # packs the policy
+    with torch.no_grad():  # an optimizer step: in place, so the packed copies go stale
+        for p in model.parameters():
+            p.add_(0.0)
+    packs = []
+    real_pack = linear_module._pack
+    monkeypatch.setattr(linear_module, "_pack", lambda *a, **k: packs.append(1) or real_pack(*a, **k))
+    spec = generate(model, PROMPTS, drafter=NgramDrafter(), num_speculative_tokens=3, temperature=1.0,
+                    max_new_tokens=6, seed=0)
+    repacked = len(packs)
+    assert repacked > 0 and 0 < spec.stats.time_pack_policy_s <= spec.stats.time_pack_s
+    out = measured_speedup(model, spec, 1.0, temperature=1.0, seed=0)
+    assert len(packs) == repacked  # the plain run found the policy packed: the re-pack is charged from the rollout
+    assert out["rollout/speedup_measured"] == out["rollout/plain_s"] / out["rollout/spec_s"]
+    assert out["rollout/policy_repack_s"] <= spec.stats.time_pack_policy_s
 
 
 def test_trainer_measures_every_n_steps_without_changing_the_training(tmp_path):
