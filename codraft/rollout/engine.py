@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from codraft.models import KVCache, Transformer
 from codraft.models.linear import pack_linears, unpack_linears
@@ -181,13 +182,15 @@ def generate(
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     stats = RolloutStats(rows=len(prompts))
     taps = drafter.tap_layers if drafter is not None else ()
+    def refresh(module: nn.Module, dtype: torch.dtype | None) -> None:
+        # a no-op unless the weights (or the dtype asked for) changed since the last call
+        pack_linears(module, dtype=dtype) if packed_weights else unpack_linears(module)
+
     start = time.perf_counter()
-    packing = [(model, model.inference_dtype)] + ([(drafter.model, drafter.model_dtype)] if drafter is not None else [])
-    for module, dtype in packing:
-        if module is not None:  # packing is a no-op unless weights (or the dtype asked for) changed since the last call
-            pack_linears(module, dtype=dtype) if packed_weights else unpack_linears(module)
-        if module is model:
-            stats.time_pack_policy_s = time.perf_counter() - start
+    refresh(model, model.inference_dtype)
+    stats.time_pack_policy_s = time.perf_counter() - start  # a plain rollout pays this too (rollout/speedup.py)
+    if drafter is not None and drafter.model is not None:
+        refresh(drafter.model, drafter.model_dtype)
     stats.time_pack_s = time.perf_counter() - start
 
     B = len(prompts)
