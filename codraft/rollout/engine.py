@@ -182,6 +182,7 @@ def generate(
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     stats = RolloutStats(rows=len(prompts))
     taps = drafter.tap_layers if drafter is not None else ()
+
     def refresh(module: nn.Module, dtype: torch.dtype | None) -> None:
         # a no-op unless the weights (or the dtype asked for) changed since the last call
         pack_linears(module, dtype=dtype) if packed_weights else unpack_linears(module)
