@@ -61,6 +61,13 @@ _UNPADDED_ROWS = 8  # calls of up to this many rows run as they are
 _WARM_ROWS = 256  # `_warm` builds the kernels of the row counts up to this
 _BF16_ROWS = 32  # bf16 calls of more rows run in slices of this many (module docstring)
 _warmed: set[tuple] = set()  # the weight shapes whose kernels `_warm` has built in this process
+_logged: set[str] = set()  # the messages `_log_once` has logged in this process
+
+
+def _log_once(level: int, message: str) -> None:
+    if message not in _logged:
+        log.log(level, message)
+        _logged.add(message)
 
 
 def packing_available() -> bool:
@@ -74,12 +81,29 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+@functools.cache
+def bf16_packing_available() -> bool:
+    """oneDNN can reorder and run a bf16 linear on this CPU at all (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): on an
+    AVX2-only core its reorder raises."""
+    return packing_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def packed_dtype(setting: str, weights: torch.dtype) -> torch.dtype:
     """The dtype of packed copies for a setting "auto" | "float32" | "bfloat16": auto is bfloat16 where oneDNN
-    runs it on native bf16 arithmetic (else the weights' own dtype)."""
+    runs it on native bf16 arithmetic (else the weights' own dtype); bfloat16 is the weights' own dtype too where
+    oneDNN has no bf16 linear at all (AVX2-only cores), with one logged line."""
     if setting == "auto":
         return torch.bfloat16 if packing_available() and native_bf16() else weights
-    return getattr(torch, setting)
+    return _runnable(getattr(torch, setting), weights)
+
+
+def _runnable(dtype: torch.dtype | None, fallback: torch.dtype | None) -> torch.dtype | None:
+    """`dtype` for packed copies, or `fallback` (with one logged line) where oneDNN cannot run it on this CPU."""
+    if dtype == torch.bfloat16 and not bf16_packing_available():
+        _log_once(logging.WARNING, "bf16 inference matmuls asked for (inference_dtype), but oneDNN has no bf16 "
+                  "linear on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT): they run in the weights' dtype")
+        return fallback
+    return dtype
 
 
 @dataclass
@@ -226,19 +250,15 @@ def _warm(packed: PackedWeight, weight: torch.Tensor) -> None:
         torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
 
 
-_warned = False
-
-
 def pack_linears(module: nn.Module, force: bool = False, dtype: torch.dtype | None = None) -> int:
     """Pack every codraft Linear and FusedLinears group in `module` whose copy is missing, stale or of another
     dtype than `dtype` (default: the weights' own; a Linear with `keep_dtype` always its own); returns how many
-    are packed. Without oneDNN (or off CPU) nothing is packed and the plain path runs, with one logged line."""
-    global _warned
+    are packed. Without oneDNN (or off CPU) nothing is packed and the plain path runs, and where oneDNN has no
+    bf16 linear on this CPU a bf16 `dtype` packs in the weights' own: one logged line each, never a crash."""
     if not packing_available():
-        if not _warned:
-            log.info("oneDNN linear packing unavailable in this torch build; inference uses plain F.linear")
-            _warned = True
+        _log_once(logging.INFO, "oneDNN linear packing unavailable in this torch build; inference uses plain F.linear")
         return 0
+    dtype = _runnable(dtype, None)
     groups = _groups(module)
     grouped = {id(m) for g in groups for m in g.linears}
     count = 0

@@ -13,6 +13,7 @@ from codraft.distill import warm_start
 from codraft.drafts import build_draft
 from codraft.drafts.export import WEIGHTS_FILE, load_draft
 from codraft.models import Transformer, load_policy
+from codraft.models.linear import bf16_packing_available
 from codraft.train.checkpoint import load_checkpoint
 from codraft.train.trainer import Trainer
 from tests.train.test_trainer import deterministic, run_metrics
@@ -91,7 +92,8 @@ def test_the_key_follows_what_the_draft_depends_on(distillations):
         other, other_policy, _ = setup(override)
         assert entry_of(other, other_policy) != entry, override
     rollouts = [entry_of(*setup(f"model.inference_dtype={d}")[:2]) for d in ("float32", "bfloat16")]
-    assert rollouts[0] != rollouts[1]  # the policy's answers and taps come from its rollout matmuls
+    # the policy's answers and taps come from its rollout matmuls: bf16 ones where oneDNN has them on this CPU
+    assert (rollouts[0] != rollouts[1]) == bf16_packing_available()
     assert entry_of(*setup("draft.family=dflash")[:2]).name.startswith("dflash-")
     assert entry_of(*setup("task.reward=correctness+format")[:2]) == entry  # distillation never scores
     with torch.no_grad():

@@ -10,6 +10,8 @@ from codraft.models import linear
 from codraft.models.linear import Linear, pack_linears, packed_dtype, packing_available, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
+needs_bf16 = pytest.mark.skipif(not linear.bf16_packing_available(),
+                                reason="oneDNN has no bf16 linear on this CPU (the fallback is tested)")
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (5, 24), (3, 4, 24)])
@@ -167,6 +169,7 @@ def test_a_deep_copied_group_holds_the_copied_members_and_no_packed_weight():
         assert torch.equal(clone.abc(torch.randn(1, 24))[0], torch.zeros(1, 40))
 
 
+@needs_bf16
 def test_bf16_copies_of_fp32_weights_hand_back_fp32_close_to_the_fp32_result():
     """A draft's inference matmuls may run on bf16 copies (half the bytes); its activations stay fp32."""
     module = _group((True, False, False))
@@ -189,7 +192,25 @@ def test_auto_is_bf16_only_on_native_bf16_arithmetic(monkeypatch, native):
     auto = packed_dtype("auto", torch.float32)
     assert auto == (torch.bfloat16 if native and packing_available() else torch.float32)
     assert packed_dtype("float32", torch.float32) == torch.float32
-    assert packed_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert packed_dtype("bfloat16", torch.float32) == (torch.bfloat16 if linear.bf16_packing_available()
+                                                       else torch.float32)
+
+
+def test_without_a_bf16_linear_on_the_cpu_bf16_asked_for_runs_in_the_weights_dtype_with_one_logged_line(
+        monkeypatch, caplog):
+    """On an AVX2-only core oneDNN's bf16 reorder raises: inference_dtype=bfloat16 must cost speed, not a crash."""
+    monkeypatch.setattr(linear, "bf16_packing_available", lambda: False)
+    monkeypatch.setattr(linear, "_logged", set())
+    module = torch.nn.ModuleDict({"body": Linear(24, 40), "head": Linear(40, 8)})
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        assert packed_dtype("bfloat16", torch.float32) == torch.float32
+        assert pack_linears(module, dtype=torch.bfloat16) == 2
+        pack_linears(module, dtype=torch.bfloat16, force=True)
+    assert all(m.packed.weight.dtype == torch.float32 for m in module.values())
+    assert len([r for r in caplog.records if "no bf16 linear" in r.message]) == 1
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(module["body"](x), F.linear(x, module["body"].weight, module["body"].bias))
 
 
 @pytest.mark.skipif(not linear.native_bf16(), reason="bf16 copies are used only where the CPU has bf16 arithmetic")
@@ -206,6 +227,7 @@ def test_a_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call():
     assert torch.equal(together, alone)
 
 
+@needs_bf16
 def test_a_linear_marked_keep_dtype_is_packed_in_its_own_dtype_whatever_is_asked():
     module = torch.nn.ModuleDict({"body": Linear(24, 40), "head": Linear(40, 8)})
     module["head"].keep_dtype = True
