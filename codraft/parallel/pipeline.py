@@ -17,13 +17,19 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from codraft.models import ModelArgs, Transformer
 from codraft.parallel.tapchannel import TapChannel
 from codraft.rl.batch import MicrobatchMeta
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+
+def _pipelining():
+    """torch.distributed.pipelining, imported at the first pipeline step: it pulls in torch._dynamo and DTensor,
+    1.8 s of the 5.3 s that importing the trainer took on a 2-core CPU, paid by every rank of every run without
+    pipeline parallelism too."""
+    import torch.distributed.pipelining as pipelining
+
+    return pipelining
 
 # (microbatch, logits [tokens, V], taps {layer: [tokens, H]}) -> the microbatch's share of the step's loss
 Objective = Callable[[int, torch.Tensor, dict[int, torch.Tensor]], torch.Tensor]
@@ -126,8 +132,10 @@ def run_pipeline(module: StageModule, input_ids: torch.Tensor | None, *, schedul
     `schedule` ("1F1B" | "GPipe"); gradients accumulate in the stage's parameters, unscaled (the objective
     already weights each microbatch by its share of the batch). Returns the microbatch losses (last stage)."""
     n_mb = len(module.metas)
-    stage = PipelineStage(module, module.stage, module.pp, device, *_example_io(module), group=group)
-    sched = SCHEDULES[schedule](stage, n_mb, loss_fn=_loss_is_output, scale_grads=False)
+    pipelining = _pipelining()
+    stage = pipelining.PipelineStage(module, module.stage, module.pp, device, *_example_io(module), group=group)
+    schedules = {"1F1B": pipelining.Schedule1F1B, "GPipe": pipelining.ScheduleGPipe}
+    sched = schedules[schedule](stage, n_mb, loss_fn=_loss_is_output, scale_grads=False)
     args = (input_ids,) if module.stage == 0 else ()
     index = torch.arange(n_mb, device=device)
     losses: list[torch.Tensor] = []
@@ -141,10 +149,11 @@ def run_pipeline_forward(module: StageModule, input_ids: torch.Tensor | None, *,
     """Forward only, without gradient, of every microbatch of `input_ids` [n_mb, L] (first stage only): the
     schedule's eval path (GPipe, no loss), so the last stage's `objective` sees each microbatch's logits once."""
     n_mb = len(module.metas)
-    stage = PipelineStage(module, module.stage, module.pp, device, *_example_io(module), group=group)
+    pipelining = _pipelining()
+    stage = pipelining.PipelineStage(module, module.stage, module.pp, device, *_example_io(module), group=group)
     args = (input_ids,) if module.stage == 0 else ()
     with torch.no_grad():
-        ScheduleGPipe(stage, n_mb).eval(*args, mb=torch.arange(n_mb, device=device))
+        pipelining.ScheduleGPipe(stage, n_mb).eval(*args, mb=torch.arange(n_mb, device=device))
 
 
 def _example_io(module: StageModule) -> tuple[torch.Tensor, torch.Tensor]:
