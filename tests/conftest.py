@@ -1,6 +1,7 @@
 """Every test session keeps codraft's caches (GGUF conversions, warm-start drafts, distillation responses) in a
 directory of its own, never in the user's ~/.cache/codraft; tests that need an empty cache set their own.
-A test distils a warm-start draft only if it is marked `warm_start`."""
+A test distils a warm-start draft only if it is marked `warm_start`. transformers' SmolLM2-135M, the reference
+of the parity tests, is loaded once per session (about 30 s on a 2-core CPU)."""
 
 import os
 
@@ -31,3 +32,17 @@ def _no_unasked_warm_start(request, monkeypatch):
                              "dir), or mark the test warm_start")
 
     monkeypatch.setattr(warm_start, "distil", refuse)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers():
+    """transformers' SmolLM2-135M from the GGUF codraft loads, fp32, eval mode: the parity tests' reference."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from codraft.models.presets import smollm2_gguf_path
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    path = smollm2_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()

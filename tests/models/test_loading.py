@@ -196,12 +196,9 @@ def test_tiny_presets_are_deterministic():
 
 
 @pytest.mark.integration
-def test_smollm2_gguf_matches_transformers(cache_dir):
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_gguf_matches_transformers(cache_dir, smollm2_transformers):
     model, tokenizer = load_model("smollm2-135m")
-    path = smollm2_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    reference = smollm2_transformers
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     ids = torch.tensor([tokenizer.encode(prompt)])
     with torch.no_grad():
