@@ -13,17 +13,33 @@ from pathlib import Path
 
 import torch
 
+from codraft.models.linear import bf16_packing_available
+
 log = logging.getLogger(__name__)
 
 
 def machine() -> dict:
+    """What a result was measured on. The CPU's vector ISA matters as much as its cores here: where oneDNN has no
+    bf16 linear (AVX2 only) the rollout's matmuls run fp32 and read twice the bytes (models/linear.py)."""
     return {
         "cpu_count": os.cpu_count(),
+        "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_matmuls": bf16_packing_available(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.platform(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
