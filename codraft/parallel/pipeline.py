@@ -31,6 +31,7 @@ def _pipelining():
 
     return pipelining
 
+
 # (microbatch, logits [tokens, V], taps {layer: [tokens, H]}) -> the microbatch's share of the step's loss
 Objective = Callable[[int, torch.Tensor, dict[int, torch.Tensor]], torch.Tensor]
 
