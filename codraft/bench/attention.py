@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 from codraft.attention import Branches, branch_attention
 from codraft.bench.memory import peak_memory
+from codraft.bench.report import machine
 from codraft.parallel.cp_shard import zigzag_layout
 from codraft.parallel.mesh import ParallelDims
 from codraft.parallel.ring_attention import ring_branch_attention
@@ -239,7 +240,8 @@ def run_attention_bench(
         rows += _run_cp(cp, (seq_lens, workloads, shape, iters), timeout_s)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attention.json").write_text(json.dumps({"shape": asdict(shape), "rows": rows}, indent=1))
+    payload = {"machine": machine(), "shape": asdict(shape), "rows": rows}
+    (out / "attention.json").write_text(json.dumps(payload, indent=1))
     (out / "attention.md").write_text(markdown_table(rows, shape))
     plot(rows, out / "attention.png")
     return rows
