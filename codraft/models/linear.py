@@ -25,11 +25,15 @@ dtype than its weights (`pack_linears(..., dtype=torch.bfloat16)`, the rollout m
 of `model.inference_dtype` and `draft.inference_dtype`): inputs are cast to the copy's dtype and outputs back.
 A Linear marked `keep_dtype` (a policy's lm_head: logits and log-probs at the weights' precision) keeps its own.
 
-A bf16 copy runs calls of more than 32 rows as slices of 32. oneDNN's bf16 kernels (AMX on this host) sum in
+A bf16 copy runs calls of more than 32 rows as slices of 32. oneDNN's bf16 kernels (AMX on the Intel host) sum in
 another order above 32 rows, and a bf16 output rounds that difference to a whole bf16 step: the same row of
 SmolLM2's down projection came out 1e-3 apart alone and among 40 rows, and its logits up to 0.35 apart, where up
-to 32 rows it is bitwise what it is alone (tested). Sliced, a row's output never depends on its call's other
-rows, so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice.
+to 32 rows it is bitwise what it is alone. Sliced, a row's output never depends on its call's other rows there,
+so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice. On an AMD
+AVX-512 BF16 host (no AMX) there is no such switch, and no row count above 2 is bitwise: from 3 rows on about one
+output in 10,000 of a 1536- or 4096-input weight rounds to the neighbouring bf16 value (fp32 packing moves every
+output by ~1e-6 there instead), so as with fp32 packing, greedy speculation equals plain decoding but at
+near-ties of the argmax.
 
 Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
 padding decode and verify calls up to 5-6 rows measured 0.96-1.08x on SmolLM2's whole forward (in-process

@@ -214,9 +214,11 @@ def test_without_a_bf16_linear_on_the_cpu_bf16_asked_for_runs_in_the_weights_dty
 
 
 @pytest.mark.skipif(not linear.native_bf16(), reason="bf16 copies are used only where the CPU has bf16 arithmetic")
-def test_a_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call():
-    """oneDNN's bf16 kernels sum in another order above 32 rows and round the difference to a bf16 step; the copy
-    runs larger calls in slices, so a verify forward's row is bitwise its decode step's."""
+def test_a_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call_up_to_a_rare_bf16_step():
+    """oneDNN's bf16 kernels sum in another order above 32 rows (the Intel AMX host) and round the difference to a
+    bf16 step in many outputs; the copy runs larger calls in slices of 32, so a verify forward's row is its decode
+    step's but for outputs that round to the neighbouring bf16 value (none on the Intel host, ~1e-4 of them on an
+    AMD AVX-512 BF16 one: module docstring)."""
     torch.manual_seed(0)
     layer = Linear(1536, 576, bias=False)  # SmolLM2's down projection
     pack_linears(layer, dtype=torch.bfloat16)
@@ -224,7 +226,10 @@ def test_a_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call():
     with torch.no_grad():
         together = layer(x)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(100)])
-    assert torch.equal(together, alone)
+        assert torch.equal(together[32:64], layer(x[32:64]))  # a call of 100 rows is its slices
+    assert (together != alone).float().mean() < 1e-3
+    step = alone.abs() * 2**-7 + 1e-5 * alone.abs().amax(-1, keepdim=True)  # a bf16 step; more where outputs cancel
+    assert ((together - alone).abs() <= step).all()
 
 
 @needs_bf16
