@@ -29,11 +29,17 @@ A bf16 copy runs calls of more than 32 rows as slices of 32. oneDNN's bf16 kerne
 another order above 32 rows, and a bf16 output rounds that difference to a whole bf16 step: the same row of
 SmolLM2's down projection came out 1e-3 apart alone and among 40 rows, and its logits up to 0.35 apart, where up
 to 32 rows it is bitwise what it is alone. Sliced, a row's output never depends on its call's other rows there,
-so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice. On an AMD
-AVX-512 BF16 host (no AMX) there is no such switch, and no row count above 2 is bitwise: from 3 rows on about one
-output in 10,000 of a 1536- or 4096-input weight rounds to the neighbouring bf16 value (fp32 packing moves every
-output by ~1e-6 there instead), so as with fp32 packing, greedy speculation equals plain decoding but at
-near-ties of the argmax.
+so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice.
+
+On an AMD AVX-512 BF16 host without AMX, bf16 rollouts are not shape-invariant, sliced or not: a 1536-input
+kernel rounds about one output in 10,000 differently in a 1-row call than among 2-32 rows, and every fp32
+difference between a decode step and a verify forward (attention over other key counts: ~1e-6) can flip an
+activation's rounding where it is cast to bf16, a bf16 step that the next layers carry on: a decode step's
+logits and a 5-token verify's for the same token were 0.1 apart (fp32 copies: 3e-5). Plain greedy decoding at
+batch 8 and 32 gave other tokens than each prompt alone in 1 of 8 and 2 of 32 rows, and greedy speculation other
+tokens than plain decoding in 2 of 8 and 6 of 32 (all at near-ties, 0.002-0.1 apart in the logits); in fp32 every
+row was the same. So `packed_dtype(..., exact=True)`, the policy's, is bfloat16 under `auto` only with AMX
+(`bf16_shape_invariant`); drafts need no such exactness (verification uses the distribution they drew from).
 
 Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
 padding decode and verify calls up to 5-6 rows measured 0.96-1.08x on SmolLM2's whole forward (in-process
@@ -92,12 +98,22 @@ def bf16_packing_available() -> bool:
     return packing_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def packed_dtype(setting: str, weights: torch.dtype) -> torch.dtype:
+@functools.cache
+def bf16_shape_invariant() -> bool:
+    """bf16 matmuls give a row the same logits whatever the shape of its forward (decode step, verify forward,
+    batch size): seen on AMX (the Intel host: greedy speculation equalled plain decoding in every row of every
+    bench), not on AVX-512 BF16 without AMX (module docstring)."""
+    return torch.cpu._is_amx_tile_supported()
+
+
+def packed_dtype(setting: str, weights: torch.dtype, exact: bool = False) -> torch.dtype:
     """The dtype of packed copies for a setting "auto" | "float32" | "bfloat16": auto is bfloat16 where oneDNN
-    runs it on native bf16 arithmetic (else the weights' own dtype); bfloat16 is the weights' own dtype too where
-    oneDNN has no bf16 linear at all (AVX2-only cores), with one logged line."""
+    runs it on native bf16 arithmetic, and for `exact` copies (a policy's: verification must compute what a decode
+    step computes) only where that is also shape-invariant; else the weights' own dtype. bfloat16 is the weights'
+    own dtype too where oneDNN has no bf16 linear at all (AVX2-only cores), with one logged line."""
     if setting == "auto":
-        return torch.bfloat16 if packing_available() and native_bf16() else weights
+        bf16 = packing_available() and native_bf16() and (bf16_shape_invariant() or not exact)
+        return torch.bfloat16 if bf16 else weights
     return _runnable(getattr(torch, setting), weights)
 
 

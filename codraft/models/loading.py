@@ -201,5 +201,5 @@ def load_policy(cfg: Config, path: str | None = None) -> tuple[Transformer, Toke
                                                              device=cfg.model.device))
     if path is None:
         check_policy_rules(cfg, model.args)
-        model.inference_dtype = packed_dtype(cfg.model.inference_dtype, next(model.parameters()).dtype)
+        model.inference_dtype = packed_dtype(cfg.model.inference_dtype, next(model.parameters()).dtype, exact=True)
     return model.eval(), tokenizer

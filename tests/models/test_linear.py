@@ -184,16 +184,21 @@ def test_bf16_copies_of_fp32_weights_hand_back_fp32_close_to_the_fp32_result():
         assert module.abc.packed.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_is_bf16_only_on_native_bf16_arithmetic(monkeypatch, native):
+def test_auto_is_bf16_only_on_native_bf16_arithmetic_and_for_a_policy_only_with_amx(monkeypatch, native, amx):
     """oneDNN runs bf16 on any AVX-512 core, by emulation where the CPU has no bf16 instructions: slower than
-    fp32, so auto keeps the weights' dtype there."""
+    fp32, so auto keeps the weights' dtype there. A policy's copies (`exact`) are bf16 only where bf16 rollouts are
+    shape-invariant (AMX): on AVX-512 BF16 without it greedy speculation differed from plain decoding."""
     monkeypatch.setattr(linear, "native_bf16", lambda: native)
-    auto = packed_dtype("auto", torch.float32)
-    assert auto == (torch.bfloat16 if native and packing_available() else torch.float32)
+    monkeypatch.setattr(linear, "bf16_shape_invariant", lambda: amx)
+    bf16 = native and packing_available()
+    assert packed_dtype("auto", torch.float32) == (torch.bfloat16 if bf16 else torch.float32)
+    assert packed_dtype("auto", torch.float32, exact=True) == (torch.bfloat16 if bf16 and amx else torch.float32)
     assert packed_dtype("float32", torch.float32) == torch.float32
-    assert packed_dtype("bfloat16", torch.float32) == (torch.bfloat16 if linear.bf16_packing_available()
-                                                       else torch.float32)
+    for exact in (False, True):
+        assert packed_dtype("bfloat16", torch.float32, exact) == (torch.bfloat16 if linear.bf16_packing_available()
+                                                                  else torch.float32)
 
 
 def test_without_a_bf16_linear_on_the_cpu_bf16_asked_for_runs_in_the_weights_dtype_with_one_logged_line(
