@@ -359,8 +359,9 @@ class DraftTrainConfig:
     temperature: float = 1.0  # of the policy's responses (the eval runs at 0 and 1 regardless)
     max_new_tokens: int = 32
     generate_batch_size: int = 32  # also the batch of the policy forwards that fill the cache
-    # compute the frozen policy's taps and response log-probs (fp16) once per response, not once per epoch:
-    # about (number of taps x hidden x 4 + vocab x 2) bytes per response token of host memory
+    # compute the frozen policy's taps and, of its rows predicting response tokens, what the draft's loss reads once
+    # per response, not once per epoch: EAGLE-3's draft-vocabulary log-probs (fp16), DFlash/DSpark's last hidden
+    # states (the head runs again per batch); (taps + 1) x hidden x 4 (+ (N + 1) x 2 for EAGLE-3) bytes per token
     cache_policy_outputs: bool = True
     # keep the policy's generated responses under $CODRAFT_CACHE/responses, keyed by the policy, the prompts and
     # the generation settings: other families, warm starts and ablations on them skip the generation

@@ -6,9 +6,11 @@ reads top to bottom: a batch of responses -> the policy's taps and logits for it
 backward -> clip -> AdamW step on the draft only.
 
 The policy is frozen, so by default its outputs are computed once per response (`PolicyOutputs`) and
-every epoch reuses them: the taps as they are, the logits as fp16 log-probabilities of the rows that
-predict response tokens (the only rows the draft losses read). With `draft_train.cache_policy_outputs
-= false` each step runs its own no-grad packed policy forward instead.
+every epoch reuses them: the taps as they are, and of the rows that predict response tokens (the only rows
+the draft losses read) what the family's loss reads of the logits, as fp16 log-probabilities (EAGLE-3's draft
+vocabulary), or, for a family that reads the whole vocabulary, the policy's last hidden states, from which
+each batch runs the head again. With `draft_train.cache_policy_outputs = false` each step runs its own
+no-grad packed policy forward instead.
 """
 
 from __future__ import annotations
@@ -46,10 +48,17 @@ def split_prompts(cfg: Config, tokenizer: Tokenizer, held_out: int) -> tuple[lis
 def draft_batch(policy: Transformer, draft: DraftModel, prompts: list[list[int]],
                 completions: list[list[int]]) -> DraftBatch:
     """One packed policy forward over prompt + response -> the draft's training batch (taps, logits detached)."""
+    return _policy_forward(policy, draft, prompts, completions)[0]
+
+
+def _policy_forward(policy: Transformer, draft: DraftModel, prompts: list[list[int]],
+                    completions: list[list[int]]) -> tuple[DraftBatch, torch.Tensor]:
+    """`draft_batch`, and the policy's last hidden states [T, H] (before its final norm and head)."""
     device = next(policy.parameters()).device
     packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
     out = policy(packed.input_ids[None], cu_seqlens=packed.cu_seqlens, taps=draft.tap_layers)
-    return whole_view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
+    batch = whole_view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
+    return batch, out.hidden[0]
 
 
 @dataclass
@@ -58,35 +67,63 @@ class PolicyOutputs:
 
     taps: dict[int, torch.Tensor]  # policy layer -> [T_i, H]
     # [R_i, W] fp16: the draft's `policy_rows` of the policy's log-softmax at the rows that predict the R_i
-    # response tokens (EAGLE-3: its draft vocabulary and a flag, W = N + 1; DFlash, DSpark: all V)
-    logprobs: torch.Tensor
+    # response tokens (EAGLE-3: its draft vocabulary and a flag, W = N + 1). None for a family that reads the
+    # whole vocabulary (DFlash, DSpark): `hidden` is kept instead and the rows recomputed from it per batch
+    logprobs: torch.Tensor | None
+    # [R_i, H]: the policy's last hidden states at those rows, H fp32 numbers a row instead of V fp16 ones (SmolLM2:
+    # 42x less; 640 answers of the chain task held 7.6 GB of log-probs); the head then runs at each batch
+    hidden: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.taps.values(), self.logprobs, self.hidden) if t is not None)
 
 
+def _logprob_rows(policy: Transformer, draft: DraftModel, hidden: torch.Tensor) -> torch.Tensor:
+    """[R, H] last hidden states -> the draft's `policy_rows` of the policy's log-softmax there, rounded to fp16
+    before the family reduces them, as the cache holds them."""
+    return draft.policy_rows(policy.logits(hidden).float().log_softmax(-1).half())
+
+
+@torch.no_grad()
 def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], completions: list[list[int]],
                    batch_size: int) -> list[PolicyOutputs]:
     """`PolicyOutputs` of every pair, from packed policy forwards of `batch_size` sequences."""
+    whole_vocabulary = None
     outputs = []
     for i in progress(range(0, len(prompts), batch_size), desc="policy outputs"):
-        batch = draft_batch(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
+        batch, hidden = _policy_forward(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
         bounds = list(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True))
         predicts = batch.loss_mask[1:].nonzero().flatten()  # rows predicting a response token (prompts are not empty)
-        # rounded to fp16 before the family reduces them, so the cache holds what a full-row cache would give
-        logprobs = draft.policy_rows(batch.policy_logits[predicts].float().log_softmax(-1).half())
-        per_sequence = logprobs.split([int(batch.loss_mask[start:end].sum()) for start, end in bounds])
-        for (start, end), lp in zip(bounds, per_sequence, strict=True):
-            outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()}, lp))
-    size = sum(t.nbytes for o in outputs for t in [*o.taps.values(), o.logprobs])
-    log.info("cached the policy's taps and response log-probs of %d responses: %.2f GB", len(outputs), size / 1e9)
+        sizes = [int(batch.loss_mask[start:end].sum()) for start, end in bounds]
+        if whole_vocabulary is None:  # what the family's loss reads of a row: all of it, or a reduction
+            whole_vocabulary = _logprob_rows(policy, draft, hidden[:1]).shape[-1] == batch.policy_logits.shape[-1]
+        if whole_vocabulary:
+            rows = [(None, h.clone()) for h in hidden[predicts].split(sizes)]
+        else:
+            rows = [(lp, None) for lp in _logprob_rows(policy, draft, hidden[predicts]).split(sizes)]
+        for (start, end), (lp, h) in zip(bounds, rows, strict=True):
+            outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()}, lp, h))
+    log.info("cached the policy's taps and response %s of %d responses: %.2f GB",
+             "hidden states" if whole_vocabulary else "log-probs", len(outputs),
+             sum(o.nbytes() for o in outputs) / 1e9)
     return outputs
 
 
-def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs: list[PolicyOutputs]) -> DraftBatch:
+def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs: list[PolicyOutputs],
+                 policy: Transformer | None = None, draft: DraftModel | None = None) -> DraftBatch:
     """The DraftBatch `draft_batch` would build, from cached outputs (the draft's `policy_rows` of the policy's
-    rows): rows that predict no response token (which no draft loss reads) hold zeros."""
-    device = outputs[0].logprobs.device
+    rows; recomputed with `policy` and `draft` where the cache holds hidden states): rows that predict no response
+    token (which no draft loss reads) hold zeros."""
+    if any(o.logprobs is None for o in outputs):
+        assert policy is not None and draft is not None, "hidden states cached: the policy's head and the draft"
+        with torch.no_grad():
+            rows = _logprob_rows(policy, draft, torch.cat([o.hidden for o in outputs]))
+    else:
+        rows = torch.cat([o.logprobs for o in outputs])
+    device = rows.device
     packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
-    logits = torch.zeros(packed.input_ids.numel(), outputs[0].logprobs.shape[-1], device=device)
-    logits[packed.logprob_index] = torch.cat([o.logprobs for o in outputs]).float()
+    logits = torch.zeros(packed.input_ids.numel(), rows.shape[-1], device=device)
+    logits[packed.logprob_index] = rows.float()
     return DraftBatch(
         input_ids=packed.input_ids,
         taps={layer: torch.cat([o.taps[layer] for o in outputs]) for layer in outputs[0].taps},
@@ -135,7 +172,7 @@ class Distiller:
         prompts, completions = [self.prompts[i] for i in rows], [self.completions[i] for i in rows]
         if self.cache is None:
             return draft_batch(self.policy, self.draft, prompts, completions)
-        return cached_batch(prompts, completions, [self.cache[i] for i in rows])
+        return cached_batch(prompts, completions, [self.cache[i] for i in rows], self.policy, self.draft)
 
     def step(self) -> dict[str, float]:
         batch = self.batch(self.next_rows())

@@ -113,7 +113,7 @@ def test_cached_policy_outputs_give_the_loss_and_gradients_of_a_fresh_policy_for
 
     fresh = loss_and_grads(draft_batch(policy, draft, [prompts[i] for i in rows], [completions[i] for i in rows]))
     cached = loss_and_grads(cached_batch([prompts[i] for i in rows], [completions[i] for i in rows],
-                                         [cache[i] for i in rows]))
+                                         [cache[i] for i in rows], policy, draft))
     torch.testing.assert_close(cached[0], fresh[0], rtol=1e-4, atol=1e-5)
     assert cached[1].keys() == fresh[1].keys()
     for name in fresh[1]:
@@ -128,7 +128,7 @@ def test_eagle3_caches_only_its_draft_vocabulary_and_trains_as_on_the_full_rows(
     those (N + 1 columns instead of V) and the loss and gradients are bit for bit those of the full fp16 rows."""
     import torch
 
-    from codraft.distill.distill import cached_batch, policy_outputs
+    from codraft.distill.distill import PolicyOutputs, cached_batch, policy_outputs
     from codraft.drafts import build_draft
     from tests.drafts.blocks import V, draft_config, tiny_policy
 
@@ -139,7 +139,9 @@ def test_eagle3_caches_only_its_draft_vocabulary_and_trains_as_on_the_full_rows(
     draft = build_draft(draft_config("eagle3", draft_vocab_size=12), policy, None, corpus=completions)
     reduced = policy_outputs(policy, draft, prompts, completions, batch_size=2)
     monkeypatch.setattr(type(draft), "policy_rows", lambda self, logits: logits)  # the full rows, reduced in the loss
-    full = policy_outputs(policy, draft, prompts, completions, batch_size=2)
+    with torch.no_grad():  # (a family reading whole rows caches hidden states: its fp16 rows from them)
+        full = [PolicyOutputs(o.taps, policy.logits(o.hidden).log_softmax(-1).half())
+                for o in policy_outputs(policy, draft, prompts, completions, batch_size=2)]
     monkeypatch.undo()
     assert [o.logprobs.shape[-1] for o in reduced] == [12 + 1] * 3 and full[0].logprobs.shape[-1] == V
     assert all(o.logprobs.dtype == torch.float16 for o in reduced)
@@ -153,6 +155,40 @@ def test_eagle3_caches_only_its_draft_vocabulary_and_trains_as_on_the_full_rows(
         return loss, metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
     a, b = loss_and_grads(reduced, True), loss_and_grads(full, False)
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+    assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark"])
+def test_a_whole_vocabulary_family_caches_hidden_states_and_trains_as_on_the_fp16_rows(family):
+    """DFlash and DSpark read all V columns of a row: the cache keeps the policy's last hidden state (H numbers
+    instead of V) and each batch runs the head again, so the loss and gradients are bit for bit those of cached
+    fp16 log-prob rows."""
+    import torch
+
+    from codraft.distill.distill import PolicyOutputs, cached_batch, policy_outputs
+    from codraft.drafts import build_draft
+    from tests.drafts.blocks import draft_config, tiny_policy
+
+    policy = tiny_policy(dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (4, 8, 6)]
+    completions = [torch.randint(3, 35, (n,), generator=g).tolist() for n in (14, 9, 16)]
+    draft = build_draft(draft_config(family), policy, None, corpus=completions)
+    cache = policy_outputs(policy, draft, prompts, completions, batch_size=2)
+    H = policy.args.hidden_size
+    assert all(o.logprobs is None and o.hidden.shape == (len(c), H) for o, c in zip(cache, completions, strict=True))
+    with torch.no_grad():  # the rows as the cache held them before: fp16 log-softmax of the policy's logits
+        rows = [PolicyOutputs(o.taps, policy.logits(o.hidden).log_softmax(-1).half()) for o in cache]
+
+    def loss_and_grads(outputs):
+        torch.manual_seed(7)  # the same anchors on both sides
+        draft.zero_grad(set_to_none=True)
+        loss, metrics = draft.loss(cached_batch(prompts, completions, outputs, policy, draft))
+        loss.backward()
+        return loss, metrics, {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+
+    a, b = loss_and_grads(cache), loss_and_grads(rows)
     assert torch.equal(a[0], b[0]) and a[1] == b[1]
     assert a[2].keys() == b[2].keys() and all(torch.equal(a[2][n], b[2][n]) for n in a[2])
 
