@@ -32,14 +32,15 @@ to 32 rows it is bitwise what it is alone. Sliced, a row's output never depends 
 so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice.
 
 On an AMD AVX-512 BF16 host without AMX, bf16 rollouts are not shape-invariant, sliced or not: a 1536-input
-kernel rounds about one output in 10,000 differently in a 1-row call than among 2-32 rows, and every fp32
-difference between a decode step and a verify forward (attention over other key counts: ~1e-6) can flip an
-activation's rounding where it is cast to bf16, a bf16 step that the next layers carry on: a decode step's
-logits and a 5-token verify's for the same token were 0.1 apart (fp32 copies: 3e-5). Plain greedy decoding at
-batch 8 and 32 gave other tokens than each prompt alone in 1 of 8 and 2 of 32 rows, and greedy speculation other
-tokens than plain decoding in 2 of 8 and 6 of 32 (all at near-ties, 0.002-0.1 apart in the logits); in fp32 every
-row was the same. So `packed_dtype(..., exact=True)`, the policy's, is bfloat16 under `auto` only with AMX
-(`bf16_shape_invariant`); drafts need no such exactness (verification uses the distribution they drew from).
+kernel rounds about one output in 10,000 differently in a 1-row call than among 2-32 rows, and with that padded
+away, the fp32 differences left between a decode step and a verify forward (attention over other numbers of keys
+and queries; ~1e-6) still flip an activation's rounding where it is cast to bf16, a bf16 step the next layers
+carry: a decode step's logits and a 5-token verify's for the same token were 0.1 apart (fp32 copies: 3e-5).
+Plain greedy decoding at batch 8 and 32 gave other tokens than each prompt alone in 1 of 8 and 2 of 32 rows, and
+greedy speculation other tokens than plain decoding in 2 of 8 and 6 of 32 (all at near-ties, 0.002-0.1 apart in
+the logits); in fp32 every row was the same. So `packed_dtype(..., exact=True)`, the policy's, is bfloat16 under
+`auto` only with AMX (`bf16_shape_invariant`); drafts need no such exactness (verification uses the distribution
+they drew from).
 
 Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
 padding decode and verify calls up to 5-6 rows measured 0.96-1.08x on SmolLM2's whole forward (in-process
