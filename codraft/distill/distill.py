@@ -78,33 +78,30 @@ class PolicyOutputs:
         return sum(t.nbytes for t in (*self.taps.values(), self.logprobs, self.hidden) if t is not None)
 
 
-def _logprob_rows(policy: Transformer, draft: DraftModel, hidden: torch.Tensor) -> torch.Tensor:
-    """[R, H] last hidden states -> the draft's `policy_rows` of the policy's log-softmax there, rounded to fp16
-    before the family reduces them, as the cache holds them."""
-    return draft.policy_rows(policy.logits(hidden).float().log_softmax(-1).half())
+def _logprob_rows(draft: DraftModel, logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] policy logits -> the draft's `policy_rows` of their log-softmax, rounded to fp16 before the family
+    reduces them, as the cache holds them."""
+    return draft.policy_rows(logits.float().log_softmax(-1).half())
 
 
 @torch.no_grad()
 def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], completions: list[list[int]],
                    batch_size: int) -> list[PolicyOutputs]:
     """`PolicyOutputs` of every pair, from packed policy forwards of `batch_size` sequences."""
-    whole_vocabulary = None
     outputs = []
     for i in progress(range(0, len(prompts), batch_size), desc="policy outputs"):
         batch, hidden = _policy_forward(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
         bounds = list(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True))
         predicts = batch.loss_mask[1:].nonzero().flatten()  # rows predicting a response token (prompts are not empty)
         sizes = [int(batch.loss_mask[start:end].sum()) for start, end in bounds]
-        if whole_vocabulary is None:  # what the family's loss reads of a row: all of it, or a reduction
-            whole_vocabulary = _logprob_rows(policy, draft, hidden[:1]).shape[-1] == batch.policy_logits.shape[-1]
-        if whole_vocabulary:
+        if draft.reads_whole_vocabulary:
             rows = [(None, h.clone()) for h in hidden[predicts].split(sizes)]
         else:
-            rows = [(lp, None) for lp in _logprob_rows(policy, draft, hidden[predicts]).split(sizes)]
+            rows = [(lp, None) for lp in _logprob_rows(draft, batch.policy_logits[predicts]).split(sizes)]
         for (start, end), (lp, h) in zip(bounds, rows, strict=True):
             outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()}, lp, h))
     log.info("cached the policy's taps and response %s of %d responses: %.2f GB",
-             "hidden states" if whole_vocabulary else "log-probs", len(outputs),
+             "hidden states" if draft.reads_whole_vocabulary else "log-probs", len(outputs),
              sum(o.nbytes() for o in outputs) / 1e9)
     return outputs
 
@@ -117,7 +114,7 @@ def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs
     if any(o.logprobs is None for o in outputs):
         assert policy is not None and draft is not None, "hidden states cached: the policy's head and the draft"
         with torch.no_grad():
-            rows = _logprob_rows(policy, draft, torch.cat([o.hidden for o in outputs]))
+            rows = _logprob_rows(draft, policy.logits(torch.cat([o.hidden for o in outputs])))
     else:
         rows = torch.cat([o.logprobs for o in outputs])
     device = rows.device

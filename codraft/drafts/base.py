@@ -77,6 +77,9 @@ class DraftModel(nn.Module):
     """
 
     family: str = ""
+    # the loss reads every column of the policy's rows (`policy_rows` is the identity): the distillation cache then
+    # keeps the policy's hidden states, not V log-probs a row (distill/distill.py)
+    reads_whole_vocabulary = True
     attention_op: AttentionOp | None = None
     # "fused" (CPU kernels) or "dense"; None picks fused on CPU, dense elsewhere (no GPU kernel yet)
     attention_impl: Literal["fused", "dense"] | None = None

@@ -80,6 +80,7 @@ class Eagle3Draft(DraftModel):
     `layer_args` overrides the draft layer's shapes (a loaded checkpoint may differ from the policy's)."""
 
     family = "eagle3"
+    reads_whole_vocabulary = False  # its draft vocabulary's columns and a flag (`policy_rows`)
 
     def __init__(
         self,

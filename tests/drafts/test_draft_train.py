@@ -128,7 +128,7 @@ def test_eagle3_caches_only_its_draft_vocabulary_and_trains_as_on_the_full_rows(
     those (N + 1 columns instead of V) and the loss and gradients are bit for bit those of the full fp16 rows."""
     import torch
 
-    from codraft.distill.distill import PolicyOutputs, cached_batch, policy_outputs
+    from codraft.distill.distill import cached_batch, policy_outputs
     from codraft.drafts import build_draft
     from tests.drafts.blocks import V, draft_config, tiny_policy
 
@@ -139,9 +139,7 @@ def test_eagle3_caches_only_its_draft_vocabulary_and_trains_as_on_the_full_rows(
     draft = build_draft(draft_config("eagle3", draft_vocab_size=12), policy, None, corpus=completions)
     reduced = policy_outputs(policy, draft, prompts, completions, batch_size=2)
     monkeypatch.setattr(type(draft), "policy_rows", lambda self, logits: logits)  # the full rows, reduced in the loss
-    with torch.no_grad():  # (a family reading whole rows caches hidden states: its fp16 rows from them)
-        full = [PolicyOutputs(o.taps, policy.logits(o.hidden).log_softmax(-1).half())
-                for o in policy_outputs(policy, draft, prompts, completions, batch_size=2)]
+    full = policy_outputs(policy, draft, prompts, completions, batch_size=2)
     monkeypatch.undo()
     assert [o.logprobs.shape[-1] for o in reduced] == [12 + 1] * 3 and full[0].logprobs.shape[-1] == V
     assert all(o.logprobs.dtype == torch.float16 for o in reduced)
