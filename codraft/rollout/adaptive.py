@@ -13,11 +13,14 @@ nothing up front (no calibration forwards): the first two steps of a fresh
 controller decode plainly, which times a decode step (the first call of a shape
 pays one-off costs, so a shape's first timing only stands until its second);
 acceptance starts from a weak prior (0.3, worth one observation) that only ever
-buys a probe, so a useless draft is found out in a step; while off, probes of one
-draft token come at growing intervals (8, 16, ... 64 steps) and at the start of
-every generate call, so a draft that got better is noticed at a bounded cost. A
-probe samples acceptance on the drafts of its first `probe_rows` rows only: the
-others ride in its forward at the cost of decoding. While on, one
+buys a probe, so a useless draft is found out in a step; while off, probes come
+at growing intervals (8, 16, ... 64 steps) and at the start of every generate
+call, so a draft that got better is noticed at a bounded cost. A probe drafts
+max_k tokens on its first `probe_rows` rows only (the others ride in its forward
+at the cost of decoding): it samples acceptance at every position, and where
+the batch has no more rows than that it times the longest verify shape, whose
+cost per token a 2-token forward misstates (at batch 1 on a CPU a 5-token
+forward can cost what a 2-token one does). While on, one
 step in 32 decodes plainly to keep the decode cost it compares against fresh.
 A proposal that first absorbs a backlog (the prompt, or the tokens committed
 while speculation was off) says nothing about the steady per-step draft cost,
@@ -30,11 +33,15 @@ What the per-step model leaves out is audited once per generate call: the
 seconds of the call's draft and verify steps against what plain decoding of the
 same rows to the same lengths costs by the measured decode costs (rows that
 finish early leave later steps with fewer rows, which on a CPU cost nearly as
-much). The shortfall against the savings the model predicted for the call's
-speculative steps is a per-step overhead, kept per batch size: backlog absorbs, the ragged tail of
-rows that speculation moved ahead unevenly, acceptance that fell faster than
-its estimate. At batch 32 on this CPU those made speculative steps that each
-paid by the model lose as a whole call.
+much). The shortfall against the savings the model's step costs predict for the
+tokens the call's speculative steps did emit is a per-step overhead, kept per
+batch size: backlog absorbs, the ragged tail of rows that speculation moved
+ahead unevenly, costs the model misjudged. At batch 32 on this CPU those made
+speculative steps that each paid by the model lose as a whole call. Acceptance
+is judged in hindsight there: an estimate that lagged a burst of acceptance (the
+n-gram drafter copying a sentence, then nothing) is the acceptance estimate's
+error, not a cost of each step, and priced as one it kept batch 1 off at 0.2-0.3
+decode steps a step where k=4 ran 1.26x plain decoding.
 
 After each proposal, `verify_lengths` cuts each row's drafts at the first whose calibrated acceptance
 (calibration.py) does not pay for its share of the verify forward, and the forward runs only the tokens fed.
@@ -54,17 +61,19 @@ class VerifyCostModel:
     """Seconds of a target forward of `rows` rows x `tokens` tokens per row, from observed forwards (EMA).
 
     Keyed on the real shape, not on rows x tokens: at the same product, a forward of many rows reads
-    more KV cache than one of few rows with more tokens each. An unobserved shape is the decode cost at
-    those rows (interpolated between observed row counts) times the verify/decode ratio seen at the
-    nearest row count that has both, else `prior_extra` per extra token.
+    more KV cache than one of few rows with more tokens each. A forward whose rows ran different numbers of
+    tokens (drafts cut or never proposed) is keyed by its mean tokens per row, a fraction: its linears run on
+    all its tokens at once. An unobserved shape is the decode cost at those rows (interpolated between observed
+    row counts) times the verify/decode ratio at the nearest row count that has both, interpolated between the
+    observed token counts around it (else extended through the nearest), else `prior_extra` per extra token.
     """
 
     def __init__(self, ema: float = 0.3, prior_extra: float = 0.2):
-        self.points: dict[int, dict[int, float]] = {}  # tokens per row -> {rows: seconds}
-        self.seen: dict[tuple[int, int], int] = {}  # (rows, tokens) -> observations
+        self.points: dict[float, dict[int, float]] = {}  # tokens per row -> {rows: seconds}
+        self.seen: dict[tuple[int, float], int] = {}  # (rows, tokens) -> observations
         self.ema, self.prior_extra = ema, prior_extra
 
-    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+    def observe(self, rows: int, tokens: float, seconds: float) -> None:
         by_rows = self.points.setdefault(tokens, {})
         n = self.seen[rows, tokens] = self.seen.get((rows, tokens), 0) + 1
         # a shape's first forward pays one-off costs (kernel selection, allocation): the second replaces it
@@ -74,7 +83,7 @@ class VerifyCostModel:
         """A decode step was timed twice at some row count (its first timing alone is not trusted)."""
         return any(self.seen.get((rows, 1), 0) >= 2 for rows in self.points.get(1, {}))
 
-    def _at_rows(self, tokens: int, rows: int) -> float | None:
+    def _at_rows(self, tokens: float, rows: int) -> float | None:
         """Cost of `tokens` per row at `rows`, interpolated over observed row counts (flat below the
         smallest, proportional above the largest: both err towards a higher cost)."""
         by_rows = self.points.get(tokens)
@@ -92,23 +101,34 @@ class VerifyCostModel:
         w = (rows - r0) / (r1 - r0)
         return (1 - w) * by_rows[r0] + w * by_rows[r1]
 
-    def _ratio(self, tokens: int, rows: int) -> float:
-        """cost(tokens) / cost(1) at the observed row count nearest to `rows` (or the nearest observed tokens,
-        extended linearly in tokens - 1)."""
-        for t in sorted((t for t in self.points if t > 1), key=lambda t: (abs(t - tokens), -t)):
-            common = set(self.points[t]) & set(self.points[1])
+    def _ratio(self, tokens: float, rows: int) -> float:
+        """cost(tokens) / cost(1), each observed token count's ratio taken at its row count nearest to `rows`
+        (where it and a decode step were both timed); between two observed token counts, interpolated; past
+        them, extended linearly from (1, 1) through the nearest."""
+        ratios = {}
+        for t, by_rows in self.points.items():
+            common = set(by_rows) & set(self.points[1]) if t > 1 else ()
             if common:
                 near = min(common, key=lambda r: (abs(r - rows), -r))
-                ratio = self.points[t][near] / self.points[1][near]
-                return 1 + (ratio - 1) * (tokens - 1) / (t - 1)
-        return 1 + self.prior_extra * (tokens - 1)
+                ratios[t] = by_rows[near] / self.points[1][near]
+        if not ratios:
+            return 1 + self.prior_extra * (tokens - 1)
+        below = max((t for t in ratios if t <= tokens), default=None)
+        above = min((t for t in ratios if t >= tokens), default=None)
+        if below is not None and above is not None:
+            if above == below:
+                return ratios[below]
+            w = (tokens - below) / (above - below)
+            return (1 - w) * ratios[below] + w * ratios[above]
+        t = below if above is None else above
+        return 1 + (ratios[t] - 1) * (tokens - 1) / (t - 1)
 
     def verify_timed(self, rows: int) -> bool:
         """A forward of more than one token per row was timed at `rows` rows or more (where the cost per extra token
         is at least what it is at `rows`)."""
         return any(r >= rows for t, by_rows in self.points.items() if t > 1 for r in by_rows)
 
-    def __call__(self, rows: int, tokens: int) -> float:
+    def __call__(self, rows: int, tokens: float) -> float:
         assert 1 in self.points, "cost model used before any decode step was observed"
         decode = self._at_rows(1, rows)
         if tokens == 1:
@@ -125,7 +145,7 @@ class CallAudit:
     rows: int  # the call's batch size
     overhead: float = 0.0  # the estimate its steps were priced with (decode steps per speculative step)
     steps: int = 0  # steps with k > 0
-    predicted_saving_s: float = 0.0  # sum over them of plain seconds for the expected tokens - their seconds
+    predicted_saving_s: float = 0.0  # sum over them of plain seconds for the tokens emitted - their priced seconds
     decode_s: float = 0.0  # sum over them of a decode step's seconds at their rows (the overhead's unit)
 
 
@@ -133,7 +153,7 @@ class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
-                 probe_k: int = 1, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
+                 probe_k: int | None = None, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, audit_prior_steps: float = 32.0,
                  max_overhead: float = 2.0, truncate: bool = True, draft_prior: float = 0.05,
                  probe_budget: float = 0.02):
@@ -153,7 +173,11 @@ class SpeculationController:
         # EAGLE-3; measured 3-5% here). Priced at 0, drafting looked free to a batch whose probes sample some of its
         # rows (they teach no draft cost) until one speculative step followed another
         self.draft_prior = draft_prior
-        self.probe_k, self.first_probe, self.max_probe_interval = probe_k, first_probe, max_probe_interval
+        # a probe of one draft token priced longer drafts by the 2-token forward's cost: at batch 1 here that is the
+        # dearest per token (1.10 decode steps against 0.96 for 5 tokens), and n-gram drafts that paid 1.25x at k=4
+        # stayed off after one probe. None: max_k
+        self.probe_k = max_k if probe_k is None else probe_k
+        self.first_probe, self.max_probe_interval = first_probe, max_probe_interval
         # a probe verifies the drafts of its first `probe_rows` rows only: a sample of acceptance needs no more,
         # and at batch 32 verifying all 32 rows' drafts cost a probe 0.41 decode steps against 0.12 for 4 rows
         self.probe_rows = probe_rows
@@ -286,7 +310,7 @@ class SpeculationController:
             return 0  # the first steps decode plainly and so time a decode step
         # until a forward of several tokens per row was timed at these rows (or more), the first full step is the
         # cheapest one: the others' prior is a guess (a batch-32 verify of 4 tokens priced 1.6x a decode step
-        # from the prior cost 2.4x, in a step chosen right after a probe; probes of some rows time no whole shape)
+        # from the prior cost 2.4x, in a step chosen right after a probe)
         most = self.max_k if self.cost.verify_timed(rows) else min(1, self.max_k)
         rates = [self.tokens_per_second(rows, k) for k in range(most + 1)]
         best = max(range(most + 1), key=rates.__getitem__)
@@ -318,23 +342,26 @@ class SpeculationController:
         self.probe_cost[rows] = extra if old is None else 0.7 * old + 0.3 * extra
 
     def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,
-                draft_s: float | None, fed: int | None = None, ragged: bool = False) -> None:
+                draft_s: float | None, fed: int | None = None) -> None:
         """reached[i]/accepted[i]: rows for which draft position i was in play / accepted. draft_s: seconds of
         the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting). fed: tokens
-        the verify forward ran (default: all rows x (k + 1)); `ragged`: rows ran different numbers of them. Only
-        whole shapes enter the cost model, as the rows x tokens they were."""
-        if k and self.cost.known():  # what the model, as it stands before this step, expects the step to save
+        the verify forward ran (default: all rows x (k + 1)), which key its time in the cost model per row."""
+        if k and self.cost.known():  # what the model's costs, as they stand before this step, say the step saved
             decode = self.cost(rows, 1)
+            emitted = 1 + sum(accepted[:k]) / rows  # tokens per row, as plain decoding would have made them
             self.call.steps += 1
-            self.call.predicted_saving_s += self.expected_tokens(k) * decode - self.step_seconds(rows, k)
+            self.call.predicted_saving_s += emitted * decode - self.step_seconds(rows, k)
             self.call.decode_s += decode
         for i in range(min(k, self.max_k)):
             fade = min(1.0, self.memory / (self.trials[i] + reached[i])) if reached[i] else 1.0
             self.hits[i] = fade * (self.hits[i] + accepted[i])
             self.trials[i] = fade * (self.trials[i] + reached[i])
         fed = rows * (k + 1) if fed is None else fed
-        if not ragged:  # a whole shape (rows x tokens), e.g. every row cut to the same drafts, or all dropped
-            self.cost.observe(rows, fed // rows, verify_s)
+        # ragged forwards too. Priced from whole shapes only, the n-gram drafter's steps at batch 8 (rows with and
+        # without drafts) never re-timed a multi-token forward: one 2-token forward's 51.2 ms stood against a decode
+        # cost that drifted 40.8 -> 48.7 ms, a ratio of 1.25 read as 1.05 (a trace), and bench rollout's adaptive
+        # n-gram ran k=4 at batch 8 at 0.93x plain decoding
+        self.cost.observe(rows, fed / rows, verify_s)
         if k:
             v, old = fed / rows - 1, self.verified.get(k)
             self.verified[k] = v if old is None else 0.7 * old + 0.3 * v

@@ -321,7 +321,6 @@ def generate(
             time.perf_counter() - t_verify,
             t_verify - t_draft if caught_up and sampled_all else None,
             live * (width + 1) if active is None else active.numel(),
-            active is not None,
         )
         if probing:
             controller.observe_probe(live, time.perf_counter() - t_draft)
@@ -354,7 +353,6 @@ def _count_step(
     verify_s: float,
     draft_s: float | None,
     fed: int,
-    ragged: bool,
 ) -> None:
     stats.target_forwards += 1
     stats.row_verifies += live
@@ -362,7 +360,7 @@ def _count_step(
     stats.k_chosen.append(k)
     if not k:
         if controller is not None:
-            controller.observe(0, [], [], live, verify_s, draft_s, fed, ragged)
+            controller.observe(0, [], [], live, verify_s, draft_s, fed)
         return
     positions = torch.arange(k, device=accepted.device)
     proposed = (num_drafts[:, None] > positions).sum(0).tolist()
@@ -377,4 +375,4 @@ def _count_step(
         if controller.probing:
             reached_at[controller.probe_rows:] = False
         reached = reached_at.sum(0).tolist()
-        controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed, ragged)
+        controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed)

@@ -68,5 +68,5 @@ class Truncating(SpeculationController):
     def token_threshold(self, rows, k):
         return 0.3
 
-    def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+    def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None):
         self.fed.append(fed)

@@ -71,7 +71,7 @@ def test_a_step_cost_counts_only_the_drafts_verified():
     c.cost.observe(8, 2, 0.012)
     before = c.cost(8, 5)
     for _ in range(5):
-        c.observe(4, [8, 4, 2, 1], [4, 2, 1, 0], 8, verify_s=0.013, draft_s=0.001, fed=16, ragged=True)
+        c.observe(4, [8, 4, 2, 1], [4, 2, 1, 0], 8, verify_s=0.013, draft_s=0.001, fed=16)
     assert c.cost(8, 5) == before and abs(c.verified_drafts(4) - 1.0) < 1e-9
     assert abs(c.step_seconds(8, 4) - (c.cost(8, 2) + c.draft_cost(4, 8))) < 1e-9
     assert abs(c.verified_drafts(2) - 0.5) < 1e-9  # an unseen k: the share of the nearest seen one

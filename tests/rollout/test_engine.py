@@ -193,9 +193,9 @@ def test_proposals_after_a_plain_step_are_counted_as_backlog():
             self.calls += 1
             return 2 * (self.calls % 2)  # 2, 0, 2, 0, ...: every proposal follows a plain step
 
-        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None):
             self.draft_seen.append(draft_s)
-            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed, ragged)
+            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed)
 
     c = Alternating()
     out = generate(model, PROMPTS, drafter=SkewedDrafter(48), num_speculative_tokens=3, max_new_tokens=12, seed=0,
@@ -376,9 +376,9 @@ def test_a_probe_verifies_the_drafts_of_its_first_rows_only_and_keeps_greedy_out
             self.probing = True
             return 2
 
-        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None):
             self.steps.append((rows, reached))
-            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed, ragged)
+            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed)
 
     model = model_for_greedy()
     plain = generate(model, PROMPTS, temperature=0, max_new_tokens=12, stop_token_ids=[])
@@ -401,9 +401,9 @@ def test_the_proposal_after_a_probe_of_some_rows_is_not_learned_as_a_steady_draf
             self.probing = not self.calls
             return 2
 
-        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None, ragged=False):
+        def observe(self, k, reached, accepted, rows, verify_s, draft_s, fed=None):
             self.calls.append((self.probing, draft_s))
-            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed, ragged)
+            super().observe(k, reached, accepted, rows, verify_s, draft_s, fed)
 
     model = model_for_greedy()
     c = ProbeThenSpeculate()
