@@ -49,6 +49,9 @@ def test_a_forward_whose_rows_ran_different_token_counts_is_priced_by_its_mean()
     assert abs(c.cost(8, 2.5) - 0.060) < 1e-12
     assert abs(c.cost(8, 1.75) - 0.050) < 1e-12  # halfway to the decode step
     assert abs(c.cost(8, 4.0) - 0.040 * (1 + 0.5 * 3 / 1.5)) < 1e-12  # past it: extended through (1, 1)
+    for fed in (21, 22):  # 2.625 and 2.75 tokens a row: keys to a quarter token, so they stay few
+        c.observe(4, [8, 2, 1, 1], [2, 1, 1, 0], 8, verify_s=0.060, draft_s=0.001, fed=fed)
+    assert sorted(c.cost.points) == [1, 2.5, 2.75]
 
 
 def test_probes_that_cost_a_decode_step_come_once_in_fifty_steps_off_even_at_the_start_of_a_call():
