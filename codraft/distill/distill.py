@@ -27,7 +27,7 @@ from codraft.drafts import DraftBatch, DraftModel, build_draft
 from codraft.drafts.autocast import training_autocast
 from codraft.models import Tokenizer, Transformer
 from codraft.observability import progress
-from codraft.rl.batch import pack_rollouts, whole_view
+from codraft.rl.batch import PackedRollouts, pack_rollouts, whole_view
 from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task
 
 log = logging.getLogger(__name__)
@@ -44,21 +44,18 @@ def split_prompts(cfg: Config, tokenizer: Tokenizer, held_out: int) -> tuple[lis
     return ids[: dt.num_prompts], ids[dt.num_prompts :]
 
 
+def _pack(prompts: list[list[int]], completions: list[list[int]], device: torch.device) -> PackedRollouts:
+    """prompt + response pairs packed as training packs rollouts (the log-probs are not read here)."""
+    return pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
+
+
 @torch.no_grad()
 def draft_batch(policy: Transformer, draft: DraftModel, prompts: list[list[int]],
                 completions: list[list[int]]) -> DraftBatch:
     """One packed policy forward over prompt + response -> the draft's training batch (taps, logits detached)."""
-    return _policy_forward(policy, draft, prompts, completions)[0]
-
-
-def _policy_forward(policy: Transformer, draft: DraftModel, prompts: list[list[int]],
-                    completions: list[list[int]]) -> tuple[DraftBatch, torch.Tensor]:
-    """`draft_batch`, and the policy's last hidden states [T, H] (before its final norm and head)."""
-    device = next(policy.parameters()).device
-    packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
+    packed = _pack(prompts, completions, next(policy.parameters()).device)
     out = policy(packed.input_ids[None], cu_seqlens=packed.cu_seqlens, taps=draft.tap_layers)
-    batch = whole_view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
-    return batch, out.hidden[0]
+    return whole_view(packed).draft_batch({layer: t[0] for layer, t in out.taps.items()}, out.logits[0])
 
 
 @dataclass
@@ -88,18 +85,22 @@ def _logprob_rows(draft: DraftModel, logits: torch.Tensor) -> torch.Tensor:
 def policy_outputs(policy: Transformer, draft: DraftModel, prompts: list[list[int]], completions: list[list[int]],
                    batch_size: int) -> list[PolicyOutputs]:
     """`PolicyOutputs` of every pair, from packed policy forwards of `batch_size` sequences."""
-    outputs = []
+    outputs, whole = [], draft.reads_whole_vocabulary
+    device = next(policy.parameters()).device
     for i in progress(range(0, len(prompts), batch_size), desc="policy outputs"):
-        batch, hidden = _policy_forward(policy, draft, prompts[i : i + batch_size], completions[i : i + batch_size])
-        bounds = list(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True))
-        predicts = batch.loss_mask[1:].nonzero().flatten()  # rows predicting a response token (prompts are not empty)
-        sizes = [int(batch.loss_mask[start:end].sum()) for start, end in bounds]
-        if draft.reads_whole_vocabulary:
-            rows = [(None, h.clone()) for h in hidden[predicts].split(sizes)]
+        packed = _pack(prompts[i : i + batch_size], completions[i : i + batch_size], device)
+        predicts = packed.response_mask[1:].nonzero().flatten()  # rows predicting response tokens (prompts not empty)
+        # the head runs only where the cache keeps its rows: nowhere when it keeps hidden states
+        out = policy(packed.input_ids[None], cu_seqlens=packed.cu_seqlens, taps=draft.tap_layers,
+                     compute_logits=not whole, logit_rows=None if whole else predicts)
+        bounds = list(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist(), strict=True))
+        sizes = [int(packed.response_mask[start:end].sum()) for start, end in bounds]
+        if whole:
+            rows = [(None, h.clone()) for h in out.hidden[0][predicts].split(sizes)]
         else:
-            rows = [(lp, None) for lp in _logprob_rows(draft, batch.policy_logits[predicts]).split(sizes)]
+            rows = [(lp, None) for lp in _logprob_rows(draft, out.logits[0][predicts]).split(sizes)]
         for (start, end), (lp, h) in zip(bounds, rows, strict=True):
-            outputs.append(PolicyOutputs({layer: t[start:end].clone() for layer, t in batch.taps.items()}, lp, h))
+            outputs.append(PolicyOutputs({layer: t[0, start:end].clone() for layer, t in out.taps.items()}, lp, h))
     log.info("cached the policy's taps and response %s of %d responses: %.2f GB",
              "hidden states" if draft.reads_whole_vocabulary else "log-probs", len(outputs),
              sum(o.nbytes() for o in outputs) / 1e9)
@@ -118,7 +119,7 @@ def cached_batch(prompts: list[list[int]], completions: list[list[int]], outputs
     else:
         rows = torch.cat([o.logprobs for o in outputs])
     device = rows.device
-    packed = pack_rollouts(prompts, completions, [[0.0] * len(c) for c in completions], device=device)
+    packed = _pack(prompts, completions, device)
     logits = torch.zeros(packed.input_ids.numel(), rows.shape[-1], device=device)
     logits[packed.logprob_index] = rows.float()
     return DraftBatch(
