@@ -6,7 +6,11 @@ for one target forward of rows x (k+1) tokens plus the draft's own work. The
 controller maximises tokens per second, E(k) * rows / (verify(rows, k+1) +
 draft(k)), and turns speculation off (k = 0) when no k beats plain decoding by
 `min_gain` (5%): near break-even the model's error decides, and wrong calls there
-only lose.
+only lose. In a batch, E(k) is the rows' mean, but the batch runs until its last
+row is done: rows accept by chance, so the slowest of n similar rows needs about
+1 + z(n) cv / sqrt(S) times the mean's S steps (`tail`), and the rate is priced
+at that pace. At batch 8 on 48 tokens that is 6-14%, as much as a step's whole
+predicted gain there.
 
 Everything is learned from the engine's own steps, so the controller costs
 nothing up front (no calibration forwards): the first two steps of a fresh
@@ -50,7 +54,9 @@ After each proposal, `verify_lengths` cuts each row's drafts at the first whose 
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import torch
 
@@ -145,6 +151,11 @@ class VerifyCostModel:
         return decode * self._ratio(tokens, rows)
 
 
+def laggard_z(n: int) -> float:
+    """E[max of n standard normals], Blom's approximation (1.03 / 1.42 / 2.04 for 4 / 8 / 32; 0 for one)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+
+
 @dataclass
 class CallAudit:
     """One generate call's speculative steps: what the model predicted they save, and their decode cost."""
@@ -195,6 +206,7 @@ class SpeculationController:
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
         self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
+        self.step_tail = 1.0  # `tail` of the last choice (1 for a probe or plain step)
         # rows -> a probe's seconds beyond a plain step, in decode steps (EMA). At batch 32 a probe's 36-row forward
         # reads the bf16 weights twice and its draft absorbs 4 prompts: with three probes in a 47-step call and no
         # other speculation, a call took 1.06x plain decoding's time (in-process A/B). Probes come at most once in
@@ -255,12 +267,35 @@ class SpeculationController:
         w = self.prior_weight
         return [(h + self.prior * w) / (n + w) for h, n in zip(self.hits, self.trials, strict=True)]
 
+    def emitted_moments(self, k: int) -> tuple[float, float]:
+        """Mean and variance of the tokens a row emits in a step of k drafts (1 + the accepted run's length)."""
+        mean, square, alive = 1.0, 1.0, 1.0
+        for j, a in enumerate(self.accept[:k], start=1):
+            alive *= a  # P(at least j drafts accepted)
+            mean += alive
+            square += (2 * j + 1) * alive  # E[e^2] = sum over m >= 1 of (2m - 1) P(e >= m)
+        return mean, square - mean * mean
+
     def expected_tokens(self, k: int) -> float:
-        total, alive = 1.0, 1.0
-        for a in self.accept[:k]:
-            alive *= a
-            total += alive
-        return total
+        return self.emitted_moments(k)[0]
+
+    def tail(self, k: int, remaining: list[int] | None) -> float:
+        """How much longer than its rows' mean progress a batch's speculation runs: rows accept by chance, and the
+        batch decodes until its last row is done, while plain decoding moves every row a token a step. The row
+        furthest behind needs S = lead / E steps, and among the n rows whose remaining tokens are within one
+        standard deviation of a row's progress over S steps (sd sqrt(S)) of it, the slowest takes about
+        z(n) sd sqrt(S) tokens more: a factor 1 + z(n) cv / sqrt(S) on the steps. At batch 8 and 48 tokens with
+        EAGLE-3's sampled acceptance that is 1.06-1.14 (k = 1-4), as much as the per-step model's whole predicted
+        gain there; unpriced, the per-call audit had to learn it call by call, and batch 8 lost 7% at T=1.
+        `remaining`: each live row's tokens still allowed (None: not known, no tail)."""
+        if not k or not remaining:
+            return 1.0
+        mean, var = self.emitted_moments(k)
+        lead = max(remaining)
+        steps = max(lead / mean, 1.0)
+        spread = math.sqrt(var * steps)  # sd of a row's tokens over those steps
+        contenders = sum(1 for r in remaining if r >= lead - spread)
+        return 1 + laggard_z(contenders) * spread / (mean * steps)
 
     def draft_cost(self, k: int, rows: int) -> float:
         """Seconds of one proposal of k tokens: observed, else the nearest observed k scaled by k, else (no steady
@@ -308,18 +343,20 @@ class SpeculationController:
         worth = self.calibration(confidence) >= self.token_threshold(rows, k)
         return torch.minimum(lengths, worth.long().cumprod(-1).sum(-1))
 
-    def tokens_per_second(self, rows: int, k: int) -> float:
-        return rows * self.expected_tokens(k) / self.step_seconds(rows, k)
+    def tokens_per_second(self, rows: int, k: int, remaining: list[int] | None = None) -> float:
+        """Tokens per second of a step of k, at the pace of the batch's last row (`tail`)."""
+        return rows * self.expected_tokens(k) / self.tail(k, remaining) / self.step_seconds(rows, k)
 
-    def choose(self, rows: int) -> int:
-        self.probing = False
+    def choose(self, rows: int, remaining: list[int] | None = None) -> int:
+        """k for the next step of `rows` live rows; `remaining`: each one's tokens still allowed (`tail`)."""
+        self.probing, self.step_tail = False, 1.0
         if not self.cost.known():
             return 0  # the first steps decode plainly and so time a decode step
         # until a forward of several tokens per row was timed at these rows (or more), the first full step is the
         # cheapest one: the others' prior is a guess (a batch-32 verify of 4 tokens priced 1.6x a decode step
         # from the prior cost 2.4x, in a step chosen right after a probe)
         most = self.max_k if self.cost.verify_timed(rows) else min(1, self.max_k)
-        rates = [self.tokens_per_second(rows, k) for k in range(most + 1)]
+        rates = [self.tokens_per_second(rows, k, remaining) for k in range(most + 1)]
         best = max(range(most + 1), key=rates.__getitem__)
         if rates[best] < (1 + self.min_gain) * rates[0]:  # a predicted gain within the model's error is no gain
             best = 0
@@ -327,6 +364,7 @@ class SpeculationController:
             self.steps_off, self.probe_interval = 0, self.first_probe
             if self.since_decode.get(rows, self.refresh_every) >= self.refresh_every:
                 return 0
+            self.step_tail = self.tail(best, remaining)
             return best
         # off, or on by the prior alone (no acceptance observed yet), which is only worth a probe
         self.steps_off += 1
@@ -355,7 +393,8 @@ class SpeculationController:
         the verify forward ran (default: all rows x (k + 1)), which key its time in the cost model per row."""
         if k and self.cost.known():  # what the model's costs, as they stand before this step, say the step saved
             decode = self.cost(rows, 1)
-            emitted = 1 + sum(accepted[:k]) / rows  # tokens per row, as plain decoding would have made them
+            # tokens per row, as plain decoding would have made them, at the pace the step was priced for (`tail`)
+            emitted = (1 + sum(accepted[:k]) / rows) / self.step_tail
             self.call.steps += 1
             self.call.predicted_saving_s += emitted * decode - self.step_seconds(rows, k)
             self.call.decode_s += decode

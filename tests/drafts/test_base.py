@@ -195,7 +195,7 @@ def test_probes_that_draft_on_their_first_rows_only_keep_greedy_output_exact(fam
     class TwoProbesThenAStep(SpeculationController):
         steps = 0
 
-        def choose(self, rows):
+        def choose(self, rows, remaining=None):
             self.steps += 1
             self.probing = self.steps % 3 != 0
             return 2

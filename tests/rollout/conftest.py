@@ -62,7 +62,7 @@ class Truncating(SpeculationController):
         super().__init__(k)
         self.fed: list[int] = []
 
-    def choose(self, rows):
+    def choose(self, rows, remaining=None):
         return self.max_k
 
     def token_threshold(self, rows, k):

@@ -189,7 +189,7 @@ def test_proposals_after_a_plain_step_are_counted_as_backlog():
             super().__init__(3)
             self.calls, self.draft_seen = 0, []
 
-        def choose(self, rows):
+        def choose(self, rows, remaining=None):
             self.calls += 1
             return 2 * (self.calls % 2)  # 2, 0, 2, 0, ...: every proposal follows a plain step
 
@@ -372,7 +372,7 @@ def test_a_probe_verifies_the_drafts_of_its_first_rows_only_and_keeps_greedy_out
             super().__init__(2, probe_rows=2)
             self.steps: list[tuple[int, list[int]]] = []  # (live rows, reached) of each step
 
-        def choose(self, rows):
+        def choose(self, rows, remaining=None):
             self.probing = True
             return 2
 
@@ -397,7 +397,7 @@ def test_the_proposal_after_a_probe_of_some_rows_is_not_learned_as_a_steady_draf
             super().__init__(2, probe_rows=2, truncate=False)
             self.calls: list[tuple[bool, float | None]] = []  # (probing, draft_s) of each speculative step
 
-        def choose(self, rows):
+        def choose(self, rows, remaining=None):
             self.probing = not self.calls
             return 2
 
