@@ -287,7 +287,9 @@ class SpeculationController:
         z(n) sd sqrt(S) tokens more: a factor 1 + z(n) cv / sqrt(S) on the steps. At batch 8 and 48 tokens with
         EAGLE-3's sampled acceptance that is 1.06-1.14 (k = 1-4), as much as the per-step model's whole predicted
         gain there; unpriced, the per-call audit had to learn it call by call, and batch 8 lost 7% at T=1.
-        `remaining`: each live row's tokens still allowed (None: not known, no tail)."""
+        `remaining`: each live row's tokens still allowed, where that is its length (no stop tokens); None: rows
+        end at stop tokens, their lengths differ more than their progress, and the call's end is its longest row
+        (no tail; the per-call audit learns what is left)."""
         if not k or not remaining:
             return 1.0
         mean, var = self.emitted_moments(k)

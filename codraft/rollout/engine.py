@@ -237,7 +237,10 @@ def generate(
     caught_up = False  # the drafter absorbed everything up to the last step (False: the prompt is pending)
     while rows.numel():
         live = rows.numel()
-        k = controller.choose(live, (limit - n_out).tolist()) if controller is not None else k_max
+        if controller is None:
+            k = k_max
+        else:  # the batch ends with its last row: with no stop tokens, each row's length is known (`tail`)
+            k = controller.choose(live, (limit - n_out).tolist() if not stop_ids.numel() else None)
         probing = k > 0 and controller is not None and controller.probing
         # a probe drafts on its first probe_rows rows: its time is not a whole batch's, and the others' backlog
         # waits for the next proposal

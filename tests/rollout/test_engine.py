@@ -176,6 +176,30 @@ def test_the_controller_audits_each_call_with_its_rows_decode_steps_and_seconds(
     assert 0 < seconds < out.stats.time_total_s
 
 
+def test_the_controller_sees_each_live_rows_remaining_tokens_only_where_those_are_its_length():
+    """With stop tokens off a row runs to its limit, so the batch's last row is known (the controller's `tail`);
+    with stop tokens on a row's length is its own, and the controller is told nothing."""
+
+    class Recording(SpeculationController):
+        def __init__(self):
+            super().__init__(3)
+            self.seen = []
+
+        def choose(self, rows, remaining=None):
+            self.seen.append(remaining)
+            return super().choose(rows, remaining)
+
+    off, on = Recording(), Recording()
+    out = generate(model_for_greedy(), PROMPTS, drafter=NgramDrafter(), num_speculative_tokens=3, temperature=0,
+                   max_new_tokens=[5, 9, 12, 3], stop_token_ids=[], adaptive=off)
+    assert off.seen[0] == [4, 8, 11, 2]  # each row's limit less the prefill's token
+    assert all(len(r) <= len(PROMPTS) and min(r) >= 1 for r in off.seen)
+    assert len(off.seen) == out.stats.target_forwards
+    generate(model_for_greedy(), PROMPTS, drafter=NgramDrafter(), num_speculative_tokens=3, temperature=0,
+             max_new_tokens=12, adaptive=on)
+    assert on.seen and all(r is None for r in on.seen)
+
+
 def test_proposals_after_a_plain_step_are_counted_as_backlog():
     """The first proposal of a call absorbs the prompt and one after a plain step the tokens it committed:
     their time is kept apart (prefill-like work), and the controller does not learn the draft's cost from it."""
