@@ -324,6 +324,10 @@ class BenchConfig:
     soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
     e2e_families: list[str] = field(default_factory=lambda: list(DRAFT_FAMILIES))  # bench e2e: co-trained runs
     e2e_frozen: str = "best"  # bench e2e: the frozen control's family; best: highest last-10 tau; none: no control
+    # bench e2e, after the runs: held-out prompts on which each run's final draft (and a co-trained run's warm start)
+    # is measured at k = draft_train.eval_k against the policy the run reached; 0: not measured
+    e2e_eval_prompts: int = 32
+    e2e_eval_max_new_tokens: int = 96
 
     def validate(self) -> None:
         bad = [f for f in self.e2e_families if f not in DRAFT_FAMILIES]
@@ -335,6 +339,9 @@ class BenchConfig:
         if self.draft_path is not None and not (Path(self.draft_path) / "config.json").is_file():
             raise ConfigError(f"bench.draft_path: '{self.draft_path}' is not an exported draft directory")
         require(self.draft_prompts >= 1, "bench.draft_prompts", ">= 1", self.draft_prompts)
+        require(self.e2e_eval_prompts >= 0, "bench.e2e_eval_prompts", ">= 0", self.e2e_eval_prompts)
+        require(self.e2e_eval_max_new_tokens >= 1, "bench.e2e_eval_max_new_tokens", ">= 1",
+                self.e2e_eval_max_new_tokens)
         require(all(b >= 1 for b in self.batch_sizes), "bench.batch_sizes", "all >= 1", self.batch_sizes)
         require(self.repeats >= 1, "bench.repeats", ">= 1", self.repeats)
         require(self.max_new_tokens >= 2, "bench.max_new_tokens", ">= 2", self.max_new_tokens)

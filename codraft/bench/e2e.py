@@ -14,7 +14,9 @@ A variant that completed (its done marker holds this config) is read back, not r
 resumes from its newest checkpoint.
 
 Outputs (bench.out_dir): e2e.json (every run's per-step metrics and the summary), e2e.md (the table) and
-e2e.png (reward, train/inference KL, acceptance length, rollout seconds and drift against step).
+e2e.png (reward, train/inference KL, acceptance length, rollout seconds and drift against step). After the runs,
+the drafts' acceptance at a fixed k against the policies the runs reached (bench/e2e_acceptance.py; in-run tau
+also moves with each controller's k) goes into e2e.json and a second table of e2e.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from codraft.bench.e2e_acceptance import acceptance_at_fixed_k, acceptance_table
 from codraft.bench.report import machine, markdown_table, write_results
 from codraft.config import Config, ConfigError, config_to_dict, save_config, with_overrides
 from codraft.drafts.export import exported_family
@@ -189,25 +192,31 @@ def run_e2e_bench(base: Config, out_dir: str | Path, runs_dir: str | Path) -> di
         f: co_trained_overrides(f, warm_start(base, f)) for f in b.e2e_families}
     if b.e2e_frozen not in ("best", "none"):  # named: it takes turns with the others
         variants[FROZEN + b.e2e_frozen] = frozen_overrides(b.e2e_frozen, warm_start(base, b.e2e_frozen))
-    configs = {name: with_overrides(base, overrides) for name, overrides in variants.items()}  # all refused up front
-    history = run_variants({name: (cfg, runs_dir / name) for name, cfg in configs.items()})
+    runs = {name: (with_overrides(base, overrides), runs_dir / name)  # all refused up front
+            for name, overrides in variants.items()}
+    history = run_variants(runs)
     best = best_family(history, b.e2e_families) if b.e2e_frozen == "best" else None
     if best is not None:  # known only now: it runs after the others, alone (its timings did not take turns)
         name = FROZEN + best
         log.warning("e2e: bench.e2e_frozen=best: %s runs after the other variants, not in turn with them; name a "
                     "family to interleave it", name)
         variants[name] = frozen_overrides(best, warm_start(base, best))
-        history |= run_variants({name: (with_overrides(base, variants[name]), runs_dir / name)})
-    return write_outputs(history, variants, base, out_dir)
+        runs[name] = (with_overrides(base, variants[name]), runs_dir / name)
+        history |= run_variants({name: runs[name]})
+    return write_outputs(history, variants, base, out_dir, acceptance_at_fixed_k(base, runs))
 
 
 def write_outputs(history: dict[str, list[dict]], variants: dict[str, list[str]], base: Config,
-                  out_dir: str | Path) -> dict:
-    """e2e.json, e2e.md and e2e.png from the runs' per-step rows -> the JSON payload."""
+                  out_dir: str | Path, acceptance: list[dict] | None = None) -> dict:
+    """e2e.json, e2e.md and e2e.png from the runs' per-step rows (and `acceptance_at_fixed_k`'s) -> the JSON
+    payload."""
     summary = summarize(history)
     payload = {"machine": machine(), "workload": workload(base), "variants": variants, "reward_test": REWARD_TEST,
-               "summary": summary, "history": history}
-    write_results(out_dir, "e2e", payload, table(summary, base))
+               "summary": summary, "history": history, "acceptance_at_fixed_k": acceptance or []}
+    markdown = table(summary, base)
+    if acceptance:
+        markdown += "\n" + acceptance_table(acceptance, base)
+    write_results(out_dir, "e2e", payload, markdown)
     plot(history, Path(out_dir) / "e2e.png")
     return payload
 

@@ -36,8 +36,9 @@ from safetensors import SafetensorError
 from codraft.config import Config
 from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
 from codraft.distill.fingerprint import file_sha256, key_digest, weights_fingerprint
+from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel
-from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, export_draft, load_draft
+from codraft.drafts.export import CONFIG_FILE, WEIGHTS_FILE, check_family, export_draft, load_draft, read_draft
 from codraft.host_memory import step_end
 from codraft.models import Tokenizer, Transformer
 from codraft.models.loading import cache_root
@@ -177,3 +178,17 @@ def warm_start_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> 
         assert draft is not None, f"the draft just written to {entry} does not read back: {why}"
         log.info("warm start: cached the distilled %s draft in %s", cfg.draft.family, entry)
         return draft
+
+
+def initial_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
+                  corpus: list[list[int]] | None = None) -> DraftModel | None:
+    """The draft a run starts from: none (draft.family=none), the warm start (checkpoint.draft_init=auto), an
+    exported draft dir, or a fresh draft whose vocabulary counts come from `corpus` (draft_init=none)."""
+    if cfg.draft.family == "none":
+        return None
+    if cfg.checkpoint.draft_init == "auto":
+        return warm_start_draft(cfg, policy, tokenizer)
+    if cfg.checkpoint.draft_init is not None:
+        return check_family(read_draft(cfg.checkpoint.draft_init, policy, "checkpoint.draft_init"),
+                            "checkpoint.draft_init", "draft.family", cfg.draft.family)
+    return build_draft(cfg.draft, policy, tokenizer, corpus or ())

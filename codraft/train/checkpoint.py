@@ -133,6 +133,22 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
     return _newest(run_dir, _load)
 
 
+def load_weights(run_dir: Path) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
+    """The tensors of a run's newest complete checkpoint that loads ({stem: state}, no optimizer states), and
+    its directory."""
+    return _newest(run_dir, lambda path: (path, {f.name.removesuffix(".safetensors"): load_file(str(f))
+                                                 for f in path.glob("*.safetensors")}))
+
+
+def load_policy_state(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Checkpointed policy weights into `policy` (a tied head is stored once, as the embedding); ValueError
+    naming the keys if they do not fit."""
+    missing, unexpected = policy.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if policy.args.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"policy weights do not fit (missing {missing}, unexpected {unexpected})")
+
+
 def _load(path: Path) -> dict[str, Any]:
     return {
         "path": path,

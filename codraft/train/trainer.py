@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 
 from codraft.config import Config, ConfigError
-from codraft.distill.warm_start import warm_start_draft
-from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import check_family, read_draft
+from codraft.distill.warm_start import initial_draft
 from codraft.models import load_policy
 from codraft.parallel.collectives import (
     all_agree,
@@ -54,7 +52,7 @@ from codraft.rl.rewards import answer_correct, load_reward_fn, score
 from codraft.rl.tasks import build_task
 from codraft.rollout import Rollout, SpeculationController, generate
 from codraft.rollout.speedup import measured_speedup
-from codraft.train.checkpoint import save_checkpoint
+from codraft.train.checkpoint import load_policy_state, save_checkpoint
 from codraft.train.objective import JointObjective
 from codraft.train.optimizers import build_optimizer
 from codraft.train.reference import build_reference, reference_logprobs
@@ -78,7 +76,8 @@ class Trainer:
             raise ConfigError(f"task.reward: {e}") from e
         self.reward_guard = RewardGuard(cfg.task.reward, cfg.rl)
         self.encode = prompt_encoder(cfg, self.policy, self.tokenizer)
-        self.draft = self._build_draft(prompt_corpus(self.task, self.encode, 256))  # every JSONL row checked first
+        # every JSONL row checked first (the corpus sets a fresh draft's vocabulary)
+        self.draft = initial_draft(cfg, self.policy, self.tokenizer, prompt_corpus(self.task, self.encode, 256))
         # the step-0 policy's answers to held-out prompts, taken before any resume loads later weights
         self.drift = drift_probe(cfg, build_task(cfg), self.policy, self.encode) if cfg.rl.drift_every else None
 
@@ -116,17 +115,6 @@ class Trainer:
         self.skipped_draft_steps = 0
         if cfg.checkpoint.resume is not None:
             self._resume()
-
-    def _build_draft(self, corpus: list[list[int]]) -> DraftModel | None:
-        cfg = self.cfg
-        if cfg.draft.family == "none":
-            return None
-        if cfg.checkpoint.draft_init == "auto":
-            return warm_start_draft(cfg, self.policy, self.tokenizer)
-        if cfg.checkpoint.draft_init is not None:
-            return check_family(read_draft(cfg.checkpoint.draft_init, self.policy, "checkpoint.draft_init"),
-                                "checkpoint.draft_init", "draft.family", cfg.draft.family)
-        return build_draft(cfg.draft, self.policy, self.tokenizer, corpus)
 
     # --- one step ------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -383,12 +371,10 @@ class Trainer:
     def _resume(self) -> None:
         ckpt = load_resumable(self.cfg)  # the newest complete checkpoint, refused before anything is loaded
         meta = ckpt["meta"]
-        missing, unexpected = self.policy.load_state_dict(ckpt["tensors"]["policy"], strict=False)
-        tied = {"lm_head.weight"} if self.policy.args.tie_word_embeddings else set()  # stored once, as the embedding
-        if set(missing) - tied or unexpected:
-            raise ConfigError(
-                f"checkpoint.resume: policy weights do not fit (missing {missing}, unexpected {unexpected})"
-            )
+        try:
+            load_policy_state(self.policy, ckpt["tensors"]["policy"])
+        except ValueError as e:
+            raise ConfigError(f"checkpoint.resume: {e}") from None
         if self.draft is not None:
             self.draft.load_state_dict(ckpt["tensors"]["draft"])
         self.policy_opt.load_state_dict(ckpt["optimizers"][self._policy_optimizer_name()])

@@ -1,5 +1,6 @@
 """`codraft bench e2e` (bench/e2e.py): the summary's arithmetic and outputs on synthetic per-step records, the
-skip of a completed variant, the resume of an interrupted one, and a 2-step run of every variant on tiny-llama."""
+skip of a completed variant, the resume of an interrupted one, a 2-step run of every variant on tiny-llama, and
+the drafts' acceptance at fixed k against the final policies (bench/e2e_acceptance.py)."""
 
 import json
 import math
@@ -9,8 +10,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
-from codraft.bench import e2e
+from codraft.bench import e2e, e2e_acceptance
 from codraft.bench.soak import deterministic
 from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
@@ -111,7 +113,8 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
 
 
 def tiny(tmp_path, *overrides: str):
-    return load_config(None, [*TINY, *TINY_RL, "rl.steps=2", f"bench.out_dir={tmp_path}", *overrides])
+    return load_config(None, [*TINY, *TINY_RL, "rl.steps=2", f"bench.out_dir={tmp_path}", "bench.e2e_eval_prompts=2",
+                              "bench.e2e_eval_max_new_tokens=6", *overrides])
 
 
 @pytest.fixture(autouse=True)
@@ -186,11 +189,65 @@ def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path
     assert "loss/draft" in history[best][0] and "loss/draft" not in history[f"frozen_{best}"][0]
     assert by_run(payload["summary"])["baseline"]["rollout_speedup"] == 1.0
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"e2e.json", "e2e.md", "e2e.png"}
+    measured = [(r["policy"], r["draft"]) for r in payload["acceptance_at_fixed_k"]]
+    assert measured == [*(("step 0", f"{f} warm start") for f in DRAFT_FAMILIES),
+                        *((f"{f} final", d) for f in DRAFT_FAMILIES for d in (f"{f} final", f"{f} warm start")),
+                        (f"frozen_{best} final", f"frozen_{best} final")]
+    assert all(r["tau_t0"] >= 1 and r["tau_t1"] >= 1 for r in payload["acceptance_at_fixed_k"])
+    md = (tmp_path / "out" / "e2e.md").read_text()
+    assert "| step 0 | eagle3 warm start |" in md and "Acceptance at fixed k = 7 (no controller)" in md
     forbid_training(monkeypatch)
     with pytest.raises(ConfigError, match="^checkpoint.resume: bench e2e resumes each variant from its own run dir"):
         e2e.run_e2e_bench(with_overrides(cfg, [f"checkpoint.resume={tmp_path / 'runs' / 'eagle3'}"]),
                           tmp_path / "out", tmp_path / "runs")
     assert e2e.run_e2e_bench(cfg, tmp_path / "out", tmp_path / "runs")["history"] == history
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fixed_k_acceptance_measures_each_runs_final_policy_and_draft_and_the_warm_start_beside_them(
+        tmp_path, monkeypatch):
+    cfg = tiny(tmp_path, "checkpoint.every=0", "draft.family=eagle3", "optim.lr=1e-2")
+    runs = {"eagle3": (cfg, tmp_path / "eagle3"),
+            "frozen_eagle3": (with_overrides(cfg, ["rl.draft_weight=0"]), tmp_path / "frozen")}
+    live = {name: e2e.VariantRun(name, c, d) for name, (c, d) in runs.items()}
+    for v in live.values():
+        v.step()
+        v.step()
+        v.close()
+    seen = []
+
+    def record(policy, draft, prompts, *, k, max_new_tokens, seed):
+        seen.append(({n: t.clone() for n, t in policy.state_dict().items()},
+                     {n: t.clone() for n, t in draft.state_dict().items()}))
+        assert (len(prompts), k, max_new_tokens) == (2, cfg.draft_train.eval_k, 6)
+        return {f"temperature_{t:g}": {"tau": 1.5, "accept_rate_per_position": [0.5]} for t in (0.0, 1.0)}
+
+    monkeypatch.setattr(e2e_acceptance, "measure_acceptance", record)
+    rows = e2e_acceptance.acceptance_at_fixed_k(cfg, runs)
+    assert [(r["policy"], r["draft"]) for r in rows] == [
+        ("step 0", "eagle3 warm start"), ("eagle3 final", "eagle3 final"), ("eagle3 final", "eagle3 warm start"),
+        ("frozen_eagle3 final", "frozen_eagle3 final")]
+    (step0, warm), (policy, draft), (policy_again, warm_again), (frozen_policy, frozen_draft) = seen
+    co_trained, frozen = live["eagle3"].trainer, live["frozen_eagle3"].trainer
+    assert same(policy, co_trained.policy.state_dict()) and same(draft, co_trained.draft.state_dict())
+    assert same(policy_again, policy) and same(warm_again, warm)  # the warm start against the same policy
+    assert same(frozen_policy, frozen.policy.state_dict()) and same(frozen_draft, warm)  # never updated
+    assert not same(policy, step0) and not same(draft, warm)  # both moved in the co-trained run
+    assert "| eagle3 final | eagle3 warm start | 1.5 | 1.5 | 0.5 | 0.5 |" in e2e_acceptance.acceptance_table(rows, cfg)
+
+
+def test_no_fixed_k_acceptance_without_drafted_runs_or_prompts(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e_acceptance, "load_policy", lambda *a: pytest.fail("nothing to measure"))
+    cfg = tiny(tmp_path)
+    assert e2e_acceptance.acceptance_at_fixed_k(cfg, {"baseline": (with_overrides(cfg, ["draft.family=none"]),
+                                                                    tmp_path)}) == []
+    assert e2e_acceptance.acceptance_at_fixed_k(with_overrides(cfg, ["bench.e2e_eval_prompts=0"]),
+                                                {"eagle3": (cfg, tmp_path)}) == []
+    with pytest.raises(ConfigError, match="bench.e2e_eval_prompts"):
+        with_overrides(cfg, ["bench.e2e_eval_prompts=-1"])
 
 
 def test_bench_e2e_command_runs_the_bench_and_exits_as_a_signalled_run_when_stopped(tmp_path, monkeypatch):

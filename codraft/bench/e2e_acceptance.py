@@ -1,0 +1,89 @@
+"""`bench e2e`'s drafts measured at a fixed k against the policies the runs reached: their accuracy alone.
+
+A run's tau moves with its controller's k: one whose controller keeps speculation off reads ~1 however good its
+draft is, so in-run tau compares controllers as much as drafts. After the runs, the final policy of each
+speculative run answers held-out prompts (the drift probe's, never trained on) at k = draft_train.eval_k with
+no controller, drafted by the run's own final draft and, for a co-trained run, by the warm start it began from:
+the frozen control's draft against the policy the co-trained run reached. The step-0 policy with each warm
+start is the reference. Every row decodes the same prompts with the same seed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from codraft.bench.report import markdown_table
+from codraft.config import Config, ConfigError
+from codraft.distill.warm_start import initial_draft
+from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptance
+from codraft.models import load_policy
+from codraft.rl.drift import HELD_OUT_START
+from codraft.rl.prompts import prompt_encoder
+from codraft.rl.tasks import build_task
+from codraft.train.checkpoint import load_policy_state, load_weights
+
+log = logging.getLogger(__name__)
+
+STEP0 = "step 0"
+
+
+def acceptance_at_fixed_k(base: Config, runs: dict[str, tuple[Config, Path]]) -> list[dict]:
+    """One row per (policy, draft) measured: {"policy", "draft", "k", "tau_t0", "tau_t1", "accept1_t0", ...}.
+    `runs`: every variant's config and run dir (those without a draft are left out)."""
+    b = base.bench
+    drafted = {name: (cfg, run_dir) for name, (cfg, run_dir) in runs.items() if cfg.draft.family != "none"}
+    if not b.e2e_eval_prompts or not drafted:
+        return []
+    policy, tokenizer = load_policy(base)
+    encode, task = prompt_encoder(base, policy, tokenizer), build_task(base)
+    prompts = [encode(task.problem(HELD_OUT_START + i)) for i in range(b.e2e_eval_prompts)]
+    rows = []
+
+    def measure(policy_name: str, draft_name: str, draft, cfg: Config) -> None:
+        k = eval_k(cfg.draft, cfg.draft_train.eval_k)
+        log.info("e2e acceptance at k=%d: %s policy, %s draft", k, policy_name, draft_name)
+        result = measure_acceptance(policy, draft, prompts, k=k, max_new_tokens=b.e2e_eval_max_new_tokens,
+                                    seed=base.run.seed)
+        row = {"policy": policy_name, "draft": draft_name, "k": k}
+        for t in EVAL_TEMPERATURES:
+            at = result[f"temperature_{t:g}"]
+            row[f"tau_t{t:g}"], row[f"accept1_t{t:g}"] = at["tau"], at["accept_rate_per_position"][0]
+        rows.append(row)
+
+    # warm starts are attached to `policy`: they borrow its embedding and head, which follow what it loads
+    warm = {}
+    for cfg, _ in drafted.values():
+        if cfg.draft.family not in warm:
+            warm[cfg.draft.family] = initial_draft(cfg, policy, tokenizer)
+            measure(STEP0, f"{cfg.draft.family} warm start", warm[cfg.draft.family], cfg)
+    for name, (cfg, run_dir) in drafted.items():
+        path, weights = load_weights(run_dir)
+        try:
+            load_policy_state(policy, weights["policy"])
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"run.dir: the {name} checkpoint {path} holds no usable policy weights ({e})") from None
+        own = initial_draft(cfg, policy, tokenizer)
+        own.load_state_dict(weights["draft"])
+        at = f"{name} final"
+        measure(at, at, own, cfg)
+        if cfg.rl.draft_weight:  # co-trained: what its warm start, never updated, would accept here
+            measure(at, f"{cfg.draft.family} warm start", warm[cfg.draft.family], cfg)
+    return rows
+
+
+def acceptance_table(rows: list[dict], base: Config) -> str:
+    """The rows as Markdown, with what was measured."""
+    if not rows:
+        return ""
+    b = base.bench
+    text = markdown_table(["policy", "draft", "tau T=0", "tau T=1", "accept pos 1 T=0", "accept pos 1 T=1"],
+                          [[r["policy"], r["draft"], r["tau_t0"], r["tau_t1"], r["accept1_t0"], r["accept1_t1"]]
+                           for r in rows])
+    k = sorted({r["k"] for r in rows})
+    return (text + "\n"
+            f"Acceptance at fixed k = {', '.join(map(str, k))} (no controller) of each run's final draft and, for a "
+            "co-trained run, of its warm start (the frozen control's draft), against the policy each run reached "
+            f"at its last step; the step-0 policy with each warm start for reference. {b.e2e_eval_prompts} held-out "
+            f"prompts (never trained on), up to {b.e2e_eval_max_new_tokens} new tokens, stop tokens on, seed "
+            f"{base.run.seed}; tau = tokens per verify forward per row.\n")
