@@ -324,10 +324,8 @@ class BenchConfig:
     soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
     e2e_families: list[str] = field(default_factory=lambda: list(DRAFT_FAMILIES))  # bench e2e: co-trained runs
     e2e_frozen: str = "best"  # bench e2e: the frozen control's family; best: highest last-10 tau; none: no control
-    # bench e2e, after the runs: held-out prompts on which each run's final draft (and a co-trained run's warm start)
-    # is measured at k = draft_train.eval_k against the policy the run reached; 0: not measured
-    e2e_eval_prompts: int = 32
-    e2e_eval_max_new_tokens: int = 96
+    e2e_eval_prompts: int = 32  # bench e2e: held-out prompts for the drafts at fixed k vs the final policies; 0: none
+    e2e_eval_max_new_tokens: int = 96  # bench e2e: tokens per prompt in that measurement
 
     def validate(self) -> None:
         bad = [f for f in self.e2e_families if f not in DRAFT_FAMILIES]
