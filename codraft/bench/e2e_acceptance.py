@@ -16,6 +16,7 @@ from pathlib import Path
 from codraft.bench.report import markdown_table
 from codraft.config import Config, ConfigError
 from codraft.distill.warm_start import initial_draft
+from codraft.drafts.base import DraftModel
 from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptance
 from codraft.models import load_policy
 from codraft.rl.drift import HELD_OUT_START
@@ -40,7 +41,7 @@ def acceptance_at_fixed_k(base: Config, runs: dict[str, tuple[Config, Path]]) ->
     prompts = [encode(task.problem(HELD_OUT_START + i)) for i in range(b.e2e_eval_prompts)]
     rows = []
 
-    def measure(policy_name: str, draft_name: str, draft, cfg: Config) -> None:
+    def measure(policy_name: str, draft_name: str, draft: DraftModel, cfg: Config) -> None:
         k = eval_k(cfg.draft, cfg.draft_train.eval_k)
         log.info("e2e acceptance at k=%d: %s policy, %s draft", k, policy_name, draft_name)
         result = measure_acceptance(policy, draft, prompts, k=k, max_new_tokens=b.e2e_eval_max_new_tokens,
@@ -59,12 +60,13 @@ def acceptance_at_fixed_k(base: Config, runs: dict[str, tuple[Config, Path]]) ->
             measure(STEP0, f"{cfg.draft.family} warm start", warm[cfg.draft.family], cfg)
     for name, (cfg, run_dir) in drafted.items():
         path, weights = load_weights(run_dir)
+        own = initial_draft(cfg, policy, tokenizer)
         try:
             load_policy_state(policy, weights["policy"])
-        except (KeyError, ValueError) as e:
-            raise ConfigError(f"run.dir: the {name} checkpoint {path} holds no usable policy weights ({e})") from None
-        own = initial_draft(cfg, policy, tokenizer)
-        own.load_state_dict(weights["draft"])
+            own.load_state_dict(weights["draft"])
+        except (KeyError, ValueError, RuntimeError) as e:  # a pipeline-parallel run's stages, another config
+            raise ConfigError(f"run.dir: the {name} checkpoint {path} does not hold this run's policy and draft "
+                              f"weights ({e})") from None
         at = f"{name} final"
         measure(at, at, own, cfg)
         if cfg.rl.draft_weight:  # co-trained: what its warm start, never updated, would accept here

@@ -16,6 +16,7 @@ from codraft.bench import e2e, e2e_acceptance
 from codraft.bench.soak import deterministic
 from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
+from codraft.train.checkpoint import save_checkpoint
 from codraft.train.trainer import Trainer
 from tests.drafts.test_warm_start import TINY, TINY_RL
 
@@ -248,6 +249,14 @@ def test_no_fixed_k_acceptance_without_drafted_runs_or_prompts(tmp_path, monkeyp
                                                 {"eagle3": (cfg, tmp_path)}) == []
     with pytest.raises(ConfigError, match="bench.e2e_eval_prompts"):
         with_overrides(cfg, ["bench.e2e_eval_prompts=-1"])
+
+
+def test_fixed_k_acceptance_refuses_a_checkpoint_without_the_runs_weights(tmp_path):
+    cfg = tiny(tmp_path, "draft.family=eagle3")
+    run_dir = tmp_path / "eagle3"  # e.g. a pipeline-parallel run's, whose policy is saved per stage
+    save_checkpoint(run_dir, 2, tensors={"policy_stage0": {"w": torch.zeros(1)}}, optimizers={}, meta={}, keep=1)
+    with pytest.raises(ConfigError, match=r"^run.dir: the eagle3 checkpoint .*step_000002 does not hold this run's"):
+        e2e_acceptance.acceptance_at_fixed_k(cfg, {"eagle3": (cfg, run_dir)})
 
 
 def test_bench_e2e_command_runs_the_bench_and_exits_as_a_signalled_run_when_stopped(tmp_path, monkeypatch):
