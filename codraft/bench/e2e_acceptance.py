@@ -2,10 +2,10 @@
 
 A run's tau moves with its controller's k: one whose controller keeps speculation off reads ~1 however good its
 draft is, so in-run tau compares controllers as much as drafts. After the runs, the final policy of each
-speculative run answers held-out prompts (the drift probe's, never trained on) at k = draft_train.eval_k with
-no controller, drafted by the run's own final draft and, for a co-trained run, by the warm start it began from:
-the frozen control's draft against the policy the co-trained run reached. The step-0 policy with each warm
-start is the reference. Every row decodes the same prompts with the same seed.
+speculative run answers the drift probe's held-out prompts (never trained on, but for a JSONL dataset's) at
+k = draft_train.eval_k with no controller, drafted by the run's own final draft and, for a co-trained run, by the
+warm start it began from: the frozen control's draft against the policy the co-trained run reached. The step-0
+policy with each warm start is the reference. Every row decodes the same prompts with the same seed.
 """
 
 from __future__ import annotations
@@ -83,9 +83,11 @@ def acceptance_table(rows: list[dict], base: Config) -> str:
                           [[r["policy"], r["draft"], r["tau_t0"], r["tau_t1"], r["accept1_t0"], r["accept1_t1"]]
                            for r in rows])
     k = sorted({r["k"] for r in rows})
+    held_out = ("prompts of the JSONL dataset (it has no held-out rows: they are training prompts too)"
+                if base.task.kind == "jsonl" else "held-out prompts (never trained on)")
     return (text + "\n"
             f"Acceptance at fixed k = {', '.join(map(str, k))} (no controller) of each run's final draft and, for a "
             "co-trained run, of its warm start (the frozen control's draft), against the policy each run reached "
-            f"at its last step; the step-0 policy with each warm start for reference. {b.e2e_eval_prompts} held-out "
-            f"prompts (never trained on), up to {b.e2e_eval_max_new_tokens} new tokens, stop tokens on, seed "
+            f"at its last step; the step-0 policy with each warm start for reference. {b.e2e_eval_prompts} {held_out}, "
+            f"up to {b.e2e_eval_max_new_tokens} new tokens, stop tokens on, seed "
             f"{base.run.seed}; tau = tokens per verify forward per row.\n")
