@@ -52,23 +52,26 @@ def acceptance_at_fixed_k(base: Config, runs: dict[str, tuple[Config, Path]]) ->
             row[f"tau_t{t:g}"], row[f"accept1_t{t:g}"] = at["tau"], at["accept_rate_per_position"][0]
         rows.append(row)
 
-    # warm starts are attached to `policy`: they borrow its embedding and head, which follow what it loads
-    warm = {}
+    # every draft is built while `policy` holds the step-0 weights: a cached warm start is keyed on them (a later
+    # policy would miss the cache and distil again). Drafts borrow the policy's embedding and head, which follow
+    # what it loads.
+    families: dict[str, Config] = {}  # a family's runs all start from its one warm start
     for cfg, _ in drafted.values():
-        if cfg.draft.family not in warm:
-            warm[cfg.draft.family] = initial_draft(cfg, policy, tokenizer)
-            measure(STEP0, f"{cfg.draft.family} warm start", warm[cfg.draft.family], cfg)
+        families.setdefault(cfg.draft.family, cfg)
+    warm = {family: initial_draft(cfg, policy, tokenizer) for family, cfg in families.items()}
+    own = {name: initial_draft(cfg, policy, tokenizer) for name, (cfg, _) in drafted.items()}
+    for family, cfg in families.items():
+        measure(STEP0, f"{family} warm start", warm[family], cfg)
     for name, (cfg, run_dir) in drafted.items():
         path, weights = load_weights(run_dir)
-        own = initial_draft(cfg, policy, tokenizer)
         try:
             load_policy_state(policy, weights["policy"])
-            own.load_state_dict(weights["draft"])
+            own[name].load_state_dict(weights["draft"])
         except (KeyError, ValueError, RuntimeError) as e:  # a pipeline-parallel run's stages, another config
             raise ConfigError(f"run.dir: the {name} checkpoint {path} does not hold this run's policy and draft "
                               f"weights ({e})") from None
         at = f"{name} final"
-        measure(at, at, own, cfg)
+        measure(at, at, own[name], cfg)
         if cfg.rl.draft_weight:  # co-trained: what its warm start, never updated, would accept here
             measure(at, f"{cfg.draft.family} warm start", warm[cfg.draft.family], cfg)
     return rows

@@ -16,6 +16,7 @@ from codraft.bench import e2e, e2e_acceptance
 from codraft.bench.soak import deterministic
 from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
+from codraft.distill import warm_start
 from codraft.train.checkpoint import save_checkpoint
 from codraft.train.trainer import Trainer
 from tests.drafts.test_warm_start import TINY, TINY_RL
@@ -227,6 +228,8 @@ def test_fixed_k_acceptance_measures_each_runs_final_policy_and_draft_and_the_wa
         return {f"temperature_{t:g}": {"tau": 1.5, "accept_rate_per_position": [0.5]} for t in (0.0, 1.0)}
 
     monkeypatch.setattr(e2e_acceptance, "measure_acceptance", record)
+    # every draft comes from the cache the runs filled: a policy that trained would miss it and distil again
+    monkeypatch.setattr(warm_start, "distil", lambda *a: pytest.fail("the warm start was distilled again"))
     rows = e2e_acceptance.acceptance_at_fixed_k(cfg, runs)
     assert [(r["policy"], r["draft"]) for r in rows] == [
         ("step 0", "eagle3 warm start"), ("eagle3 final", "eagle3 final"), ("eagle3 final", "eagle3 warm start"),
