@@ -136,8 +136,7 @@ def load_checkpoint(run_dir: Path) -> dict[str, Any]:
 def load_weights(run_dir: Path) -> tuple[Path, dict[str, dict[str, torch.Tensor]]]:
     """The tensors of a run's newest complete checkpoint that loads ({stem: state}, no optimizer states), and
     its directory."""
-    return _newest(run_dir, lambda path: (path, {f.name.removesuffix(".safetensors"): load_file(str(f))
-                                                 for f in path.glob("*.safetensors")}))
+    return _newest(run_dir, lambda path: (path, _tensors(path)))
 
 
 def load_policy_state(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -149,11 +148,15 @@ def load_policy_state(policy: torch.nn.Module, state: dict[str, torch.Tensor]) -
         raise ValueError(f"policy weights do not fit (missing {missing}, unexpected {unexpected})")
 
 
+def _tensors(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {f.name.removesuffix(".safetensors"): load_file(str(f)) for f in path.glob("*.safetensors")}
+
+
 def _load(path: Path) -> dict[str, Any]:
     return {
         "path": path,
         "meta": json.loads((path / META).read_text()),
-        "tensors": {f.name.removesuffix(".safetensors"): load_file(str(f)) for f in path.glob("*.safetensors")},
+        "tensors": _tensors(path),
         "optimizers": {f.name.removesuffix(".optim.pt"): torch.load(f, weights_only=True)
                        for f in path.glob("*.optim.pt")},
     }
