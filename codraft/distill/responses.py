@@ -1,12 +1,16 @@
 """The frozen policy's answers to distillation prompts, generated once and cached between runs.
 
-Distillation starts by generating the policy's answers (320 chain prompts x ~110 tokens at T=1 took 13 min
+Distillation starts by generating the policy's answers (1,280 chain prompts x ~113 tokens at T=1 took 18-23 min
 here), and every family, warm start and ablation on the same policy, prompts and generation settings would
-generate the same ones. They are kept in `$CODRAFT_CACHE/responses/<key>.json` (default `~/.cache/codraft`),
-where key hashes what they depend on: the policy (its ModelArgs, dtype, weights fingerprint and the dtype its
-rollout matmuls run in), the prompts' token ids and draft_train's temperature, max_new_tokens and
-generate_batch_size, and the seed. A file is written whole (temporary sibling, fsync, rename) and read back
-checked; one that is damaged or holds another key is regenerated, with one warning saying why.
+generate the same ones. They are generated in chunks of `generate_batch_size` prompts, chunk i seeded by the
+run's seed and its start, so a chunk's answers depend on its own prompts only, and each chunk is cached as
+soon as it is done, in `$CODRAFT_CACHE/responses/<key>.json` (default `~/.cache/codraft`): an interrupted
+generation resumes at the first chunk it had not finished, and a run on more prompts of the same task stream
+(a larger `draft_train.num_prompts`) generates only the chunks it adds. A key hashes what a chunk depends on:
+the policy (its ModelArgs, dtype, weights fingerprint and the dtype its rollout matmuls run in), the chunk's
+prompt token ids and start, draft_train's temperature, max_new_tokens and generate_batch_size, and the seed.
+A file is written whole (temporary sibling, fsync, rename) and read back checked; one that is damaged or holds
+another key is regenerated, with one warning saying why.
 """
 
 from __future__ import annotations
@@ -29,33 +33,31 @@ from codraft.rollout import generate
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when how responses are generated changes
+CACHE_FORMAT = 2  # bump when how responses are generated or stored changes (2: one file per chunk)
 
 
-def generate_responses(policy: Transformer, prompts: list[list[int]], dt: DraftTrainConfig,
-                       seed: int) -> list[list[int]]:
-    """One response per prompt from the policy itself, in batches of `generate_batch_size`."""
-    start, out = time.perf_counter(), []
-    for i in progress(range(0, len(prompts), dt.generate_batch_size), desc="policy responses"):
-        rollout = generate(policy, prompts[i : i + dt.generate_batch_size], temperature=dt.temperature,
-                           max_new_tokens=dt.max_new_tokens, seed=seed * 1_000_003 + i)
-        out += rollout.tokens
-    tokens = sum(map(len, out))
-    log.info("generated %d responses (%.1f tokens each) in %.1fs", len(out), tokens / len(out),
-             time.perf_counter() - start)
-    return out
+def generate_chunk(policy: Transformer, prompts: list[list[int]], dt: DraftTrainConfig, seed: int,
+                   start: int) -> list[list[int]]:
+    """One response per prompt of the chunk that starts at prompt `start` of the run, from the policy itself."""
+    rollout = generate(policy, prompts, temperature=dt.temperature, max_new_tokens=dt.max_new_tokens,
+                       seed=seed * 1_000_003 + start)
+    return rollout.tokens
 
 
-def responses_key(policy: Transformer, prompts: list[list[int]], dt: DraftTrainConfig, seed: int) -> dict:
+def policy_key(policy: Transformer, dt: DraftTrainConfig, seed: int) -> dict:
+    """What every chunk's answers depend on besides its prompts."""
     param = next(policy.parameters())
     return {
         "format": CACHE_FORMAT,
         "policy": {"args": json.loads(json.dumps(dataclasses.asdict(policy.args))), "dtype": str(param.dtype),
                    "weights": weights_fingerprint(policy), "inference_dtype": str(policy.inference_dtype)},
-        "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
         "generation": {"temperature": dt.temperature, "max_new_tokens": dt.max_new_tokens,
                        "generate_batch_size": dt.generate_batch_size, "seed": seed},
     }
+
+
+def chunk_key(base: dict, prompts: list[list[int]], start: int) -> dict:
+    return {**base, "start": start, "prompts_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()}
 
 
 def cache_file(key: dict) -> Path:
@@ -95,21 +97,37 @@ def write_cached(path: Path, key: dict, responses: list[list[int]]) -> None:
 
 def policy_responses(policy: Transformer, prompts: list[list[int]], dt: DraftTrainConfig,
                      seed: int) -> list[list[int]]:
-    """The policy's answers to `prompts`: from the cache when it holds them (`draft_train.cache_responses`),
-    else generated (and cached)."""
-    if not dt.cache_responses:
-        return generate_responses(policy, prompts, dt, seed)
-    key = responses_key(policy, prompts, dt, seed)
-    path = cache_file(key)
-    responses, why = read_cached(path, key, len(prompts))
-    if responses is not None:
-        log.info("the policy's %d responses from the cache %s", len(responses), path)
-        return responses
-    if why:
-        log.warning("cached responses %s not used: %s; generating them again", path, why)
-    responses = generate_responses(policy, prompts, dt, seed)
-    try:
-        write_cached(path, key, responses)
-    except OSError as e:  # a full disk or read-only cache costs the next run a generation, not this one its answers
-        log.warning("could not cache the policy's responses in %s (%s); the next run generates them again", path, e)
-    return responses
+    """The policy's answers to `prompts`: each chunk from the cache when it holds it (`draft_train.cache_responses`),
+    else generated (and cached as soon as it is done)."""
+    starts = range(0, len(prompts), dt.generate_batch_size)
+    chunks = {start: prompts[start : start + dt.generate_batch_size] for start in starts}
+    answers: dict[int, list[list[int]]] = {}
+    keys: dict[int, dict] = {}
+    if dt.cache_responses:
+        base = policy_key(policy, dt, seed)
+        for start, chunk in chunks.items():
+            keys[start] = chunk_key(base, chunk, start)
+            cached, why = read_cached(cache_file(keys[start]), keys[start], len(chunk))
+            if cached is not None:
+                answers[start] = cached
+            elif why:
+                log.warning("cached responses %s not used: %s; generating them again", cache_file(keys[start]), why)
+        if answers:
+            log.info("the policy's responses to %d of %d prompts from the cache %s",
+                     sum(map(len, answers.values())), len(prompts), cache_root() / "responses")
+    missing = [start for start in starts if start not in answers]
+    begin, unwritable = time.perf_counter(), False
+    for start in progress(missing, desc="policy responses"):
+        answers[start] = generate_chunk(policy, chunks[start], dt, seed, start)
+        if dt.cache_responses and not unwritable:
+            try:
+                write_cached(cache_file(keys[start]), keys[start], answers[start])
+            except OSError as e:  # a full disk or read-only cache costs a later run the generation, not this one
+                log.warning("could not cache the policy's responses in %s (%s); the next run generates them again",
+                            cache_root() / "responses", e)
+                unwritable = True
+    if missing:
+        made = [r for start in missing for r in answers[start]]
+        log.info("generated %d responses (%.1f tokens each) in %.1fs", len(made), sum(map(len, made)) / len(made),
+                 time.perf_counter() - begin)
+    return [r for start in starts for r in answers[start]]
