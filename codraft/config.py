@@ -368,8 +368,10 @@ class DraftTrainConfig:
     # per response, not once per epoch: EAGLE-3's draft-vocabulary log-probs (fp16), DFlash/DSpark's last hidden
     # states (the head runs again per batch); (taps + 1) x hidden x 4 (+ (N + 1) x 2 for EAGLE-3) bytes per token
     cache_policy_outputs: bool = True
-    # keep the policy's generated responses under $CODRAFT_CACHE/responses, keyed by the policy, the prompts and
-    # the generation settings: other families, warm starts and ablations on them skip the generation
+    # keep the policy's generated responses under $CODRAFT_CACHE/responses, one file per generate_batch_size prompts,
+    # keyed by the policy, the chunk's prompts and the generation settings: other families, warm starts and ablations
+    # on them skip the generation, more prompts of the same task generate only the chunks they add, and an
+    # interrupted generation resumes at its first unfinished chunk
     cache_responses: bool = True
     # the dtype of the draft's matmuls in distillation (autocast; weights, optimizer state, losses and attention
     # stay fp32): auto = bfloat16 where the device has bf16 arithmetic (a chain-task step 0.69x, loss equal to 1e-4)

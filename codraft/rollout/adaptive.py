@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -64,7 +66,11 @@ from codraft.rollout.calibration import DraftCalibration
 
 
 class VerifyCostModel:
-    """Seconds of a target forward of `rows` rows x `tokens` tokens per row, from observed forwards (EMA).
+    """Seconds of a target forward of `rows` rows x `tokens` tokens per row: the median of its last `window`
+    observed forwards. A mean lets one slow forward (this shared machine stalls now and then) price its shape
+    until it is observed again, and a shape priced too high is not chosen, so not observed: a 77 ms spike of a
+    ~48 ms shape kept k = 4 off through the rest of a run (a trace at batch 4, T=1), and a decode step timed
+    69 ms at 2 rows (32-40 ms at 1-4) made every verify there look cheaper than decoding.
 
     Keyed on the real shape, not on rows x tokens: at the same product, a forward of many rows reads
     more KV cache than one of few rows with more tokens each. A forward whose rows ran different numbers of
@@ -74,10 +80,11 @@ class VerifyCostModel:
     observed token counts around it (else extended through the nearest), else `prior_extra` per extra token.
     """
 
-    def __init__(self, ema: float = 0.3, prior_extra: float = 0.2):
+    def __init__(self, window: int = 5, prior_extra: float = 0.2):
         self.points: dict[float, dict[int, float]] = {}  # tokens per row -> {rows: seconds}
         self.seen: dict[tuple[int, float], int] = {}  # (rows, tokens) -> observations
-        self.ema, self.prior_extra = ema, prior_extra
+        self.recent: dict[tuple[int, float], deque[float]] = {}  # (rows, tokens) -> its last `window` seconds
+        self.window, self.prior_extra = window, prior_extra
         self._ratios: dict[int, dict[float, float]] = {}  # rows -> {tokens: cost / decode cost}, until the next observe
 
     def observe(self, rows: int, tokens: float, seconds: float) -> None:
@@ -85,10 +92,12 @@ class VerifyCostModel:
         # a step took 25 ms where 29 keys take 1
         tokens = round(4 * tokens) / 4
         self._ratios.clear()
-        by_rows = self.points.setdefault(tokens, {})
         n = self.seen[rows, tokens] = self.seen.get((rows, tokens), 0) + 1
-        # a shape's first forward pays one-off costs (kernel selection, allocation): the second replaces it
-        by_rows[rows] = seconds if n <= 2 else (1 - self.ema) * by_rows[rows] + self.ema * seconds
+        recent = self.recent.setdefault((rows, tokens), deque(maxlen=self.window))
+        if n == 2:  # a shape's first forward pays one-off costs (kernel selection, allocation): the second replaces it
+            recent.clear()
+        recent.append(seconds)
+        self.points.setdefault(tokens, {})[rows] = statistics.median(recent)
 
     def known(self) -> bool:
         """A decode step was timed twice at some row count (its first timing alone is not trusted)."""
@@ -173,7 +182,7 @@ class SpeculationController:
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int | None = None, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, audit_prior_steps: float = 32.0,
-                 max_overhead: float = 2.0, truncate: bool = True, draft_prior: float = 0.05,
+                 max_overhead: float = 2.0, truncate: bool = False, draft_prior: float = 0.05,
                  probe_budget: float = 0.02):
         if probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1 (the rows whose drafts a probe verifies), got {probe_rows}")
@@ -221,7 +230,12 @@ class SpeculationController:
         self.call = CallAudit(rows=0)
         # per-row draft lengths: a row's drafts past the first one not worth its share of the verify forward
         # are not fed (the forward then runs only the tokens fed); one speculative step in `refresh_every` at
-        # each row count feeds them all, which keeps the untruncated cost and the calibration's low buckets fresh
+        # each row count feeds them all, which keeps the untruncated cost and the calibration's low buckets fresh.
+        # Off by default: a cut draft counts as rejected, so cuts lower the acceptance estimate, and the per-call
+        # audit charged the shortfall as overhead; in GRPO-like rollouts (1 prompt x 4 samples, T=1, stop tokens
+        # on, 192 tokens, the e2e bench's) plain time / adaptive time read 1.06-1.30 with cuts and 1.34-1.40
+        # without, against 1.39-1.47 for fixed k = 3 (medians of 8-12 calls, four interleaved runs); at batch 1-32
+        # they were within noise of no cuts (README, stop 30)
         self.truncate = truncate
         self.calibration = DraftCalibration()
         self.verified: dict[int, float] = {}  # k -> EMA of the drafts per row a step of k verified
@@ -342,8 +356,23 @@ class SpeculationController:
         if since >= self.refresh_every:
             self.since_full[rows] = 0
             return lengths
-        worth = self.calibration(confidence) >= self.token_threshold(rows, k)
-        return torch.minimum(lengths, worth.long().cumprod(-1).sum(-1))
+        acceptance = self.calibration(confidence)
+        worth = acceptance >= self.token_threshold(rows, k)
+        cut = torch.minimum(lengths, worth.long().cumprod(-1).sum(-1))
+        return cut if self.cut_pays(rows, acceptance, lengths, cut) else lengths
+
+    def cut_pays(self, rows: int, acceptance: torch.Tensor, lengths: torch.Tensor, cut: torch.Tensor) -> bool:
+        """Whether verifying `cut` drafts per row (of `lengths`) emits more tokens per second than verifying all,
+        priced by the measured cost of forwards of the two mean token counts per row. A cut that leaves rows
+        ragged runs a forward whose tokens are gathered and scattered around every layer's attention, which at a
+        few rows on a CPU costs what the whole forward does (SmolLM2, batch 4: 10 of 16 tokens 1.21 decode steps,
+        all 16 1.21), so there a cut loses the drafts it drops and saves nothing."""
+        def rate(verified: torch.Tensor) -> float:
+            kept = torch.arange(acceptance.shape[-1], device=acceptance.device) < verified[:, None]
+            tokens = rows + float((acceptance * kept).sum())
+            return tokens / self.cost(rows, 1 + round(4 * float(verified.float().mean())) / 4)
+
+        return bool((cut < lengths).any()) and rate(cut) > rate(lengths)
 
     def tokens_per_second(self, rows: int, k: int, remaining: list[int] | None = None) -> float:
         """Tokens per second of a step of k, at the pace of the batch's last row (`tail`)."""

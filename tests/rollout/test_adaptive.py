@@ -5,9 +5,10 @@ import random
 from codraft.rollout.adaptive import SpeculationController, VerifyCostModel
 
 
-def controller_with_costs(decode_s: float, extra_per_token: float, rows: int = 1, max_k: int = 4):
+def controller_with_costs(decode_s: float, extra_per_token: float, rows: int = 1, max_k: int = 4,
+                          truncate: bool = False):
     """A controller whose cost model observed two decode steps and a (max_k + 1)-token verify at `rows`."""
-    c = SpeculationController(max_k)
+    c = SpeculationController(max_k, truncate=truncate)
     c.cost.observe(rows, 1, decode_s)
     c.cost.observe(rows, 1, decode_s)
     c.cost.observe(rows, max_k + 1, decode_s * (1 + extra_per_token * max_k))
@@ -130,13 +131,18 @@ def test_cost_model_keys_on_rows_and_tokens_not_their_product():
     assert abs(cost(4, 1) - (0.018 + (0.030 - 0.018) * 3 / 7)) < 1e-12
 
 
-def test_a_shapes_first_timing_is_replaced_by_its_second():
-    cost = VerifyCostModel()
+def test_a_shapes_first_timing_is_replaced_by_its_second_and_one_slow_forward_does_not_price_it():
+    cost = VerifyCostModel(window=5)
     cost.observe(4, 1, 0.050)  # the first call of a shape pays one-off costs
     cost.observe(4, 1, 0.040)
     assert cost(4, 1) == 0.040
-    cost.observe(4, 1, 0.050)
-    assert abs(cost(4, 1) - (0.7 * 0.040 + 0.3 * 0.050)) < 1e-12
+    cost.observe(4, 1, 0.044)
+    assert abs(cost(4, 1) - 0.042) < 1e-12  # median of two: their mean
+    cost.observe(4, 1, 0.200)  # a stall
+    assert cost(4, 1) == 0.044
+    for seconds in (0.030, 0.030, 0.030):  # the machine got faster: the window follows within a few forwards
+        cost.observe(4, 1, seconds)
+    assert cost(4, 1) == 0.030
 
 
 def test_decoding_stays_plain_until_a_decode_step_was_timed_twice():

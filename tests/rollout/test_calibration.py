@@ -2,6 +2,7 @@
 
 import torch
 
+from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.calibration import DraftCalibration
 from tests.rollout.test_adaptive import controller_with_costs
 
@@ -40,19 +41,31 @@ def lengths_after_a_full_step(c, rows: int, confidence: torch.Tensor) -> torch.T
 
 
 def test_where_verification_is_dear_unsure_drafts_are_not_verified():
-    c = controller_with_costs(decode_s=0.01, extra_per_token=0.5, rows=8)  # a draft costs half a decode step
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.5, rows=8, truncate=True)  # a draft: half a step
     conf = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.3, 0.9, 0.9, 0.9]] * 4)
     assert c.token_threshold(8, 4) == 0.5
     assert lengths_after_a_full_step(c, 8, conf).tolist() == [4, 0] * 4
 
 
+
+def test_a_cut_that_leaves_a_forward_as_dear_as_the_whole_one_is_not_made():
+    """At a few rows on a CPU a ragged forward (rows cut to different drafts) cost what the whole one does: by the
+    measured cost of its mean tokens per row, cutting then only loses the drafts it drops."""
+    conf = torch.tensor([[0.9, 0.9, 0.9, 0.9], [0.3, 0.9, 0.9, 0.9]] * 4)
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.5, rows=8, truncate=True)
+    for _ in range(2):  # the cut forward: 2 drafts a row on average + the pending token, timed as the whole one
+        c.cost.observe(8, 3, c.cost(8, 5))
+    assert lengths_after_a_full_step(c, 8, conf).tolist() == [4] * 8
+    assert not c.truncate or SpeculationController(4).truncate is False  # off unless asked for
+
+
 def test_where_verification_is_cheap_every_draft_is_verified():
-    c = controller_with_costs(decode_s=0.01, extra_per_token=0.02, rows=1)
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.02, rows=1, truncate=True)
     assert lengths_after_a_full_step(c, 1, torch.tensor([[0.5, 0.5, 0.5, 0.5]])).tolist() == [4]
 
 
 def test_one_step_in_refresh_every_verifies_all_drafts_and_a_probe_those_of_a_few_rows():
-    c = controller_with_costs(decode_s=0.01, extra_per_token=0.5, rows=8)
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.5, rows=8, truncate=True)
     conf, full = torch.full((8, 4), 0.3), torch.full((8,), 4)
     fed = [int(c.verify_lengths(8, 4, full, conf).sum()) for _ in range(2 * c.refresh_every)]
     assert fed.count(32) == 2 and fed[0] == 32 and fed[c.refresh_every] == 32
