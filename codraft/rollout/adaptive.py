@@ -47,8 +47,9 @@ n-gram drafter copying a sentence, then nothing) is the acceptance estimate's
 error, not a cost of each step, and priced as one it kept batch 1 off at 0.2-0.3
 decode steps a step where k=4 ran 1.26x plain decoding.
 
-After each proposal, `verify_lengths` cuts each row's drafts at the first whose calibrated acceptance
-(calibration.py) does not pay for its share of the verify forward, and the forward runs only the tokens fed.
+With `truncate` on (off by default), after each proposal `verify_lengths` cuts each row's drafts at the first
+whose calibrated acceptance (calibration.py) does not pay for its share of the verify forward, where the cut
+forward's measured cost makes that pay, and the forward runs only the tokens fed.
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class SpeculationController:
         # audit charged the shortfall as overhead; in GRPO-like rollouts (1 prompt x 4 samples, T=1, stop tokens
         # on, 192 tokens, the e2e bench's) plain time / adaptive time read 1.06-1.30 with cuts and 1.34-1.40
         # without, against 1.39-1.47 for fixed k = 3 (medians of 8-12 calls, four interleaved runs); at batch 1-32
-        # they were within noise of no cuts (README, stop 30)
+        # they were within noise of no cuts (README, stop 24)
         self.truncate = truncate
         self.calibration = DraftCalibration()
         self.verified: dict[int, float] = {}  # k -> EMA of the drafts per row a step of k verified
