@@ -107,11 +107,12 @@ def policy_responses(policy: Transformer, prompts: list[list[int]], dt: DraftTra
         base = policy_key(policy, dt, seed)
         for start, chunk in chunks.items():
             keys[start] = chunk_key(base, chunk, start)
-            cached, why = read_cached(cache_file(keys[start]), keys[start], len(chunk))
+            path = cache_file(keys[start])
+            cached, why = read_cached(path, keys[start], len(chunk))
             if cached is not None:
                 answers[start] = cached
             elif why:
-                log.warning("cached responses %s not used: %s; generating them again", cache_file(keys[start]), why)
+                log.warning("cached responses %s not used: %s; generating them again", path, why)
         if answers:
             log.info("the policy's responses to %d of %d prompts from the cache %s",
                      sum(map(len, answers.values())), len(prompts), cache_root() / "responses")

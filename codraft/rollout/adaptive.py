@@ -362,6 +362,12 @@ class SpeculationController:
         cut = torch.minimum(lengths, worth.long().cumprod(-1).sum(-1))
         return cut if self.cut_pays(rows, acceptance, lengths, cut) else lengths
 
+    def observe_drafts(self, confidence: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        """A verify step's drafts: each row's confidences [B, k], drafts verified and accepted [B]. Only per-row cuts
+        read the calibration, so without them nothing is learned (no per-step work on the decode loop)."""
+        if self.truncate:
+            self.calibration.observe(confidence, verified, accepted)
+
     def cut_pays(self, rows: int, acceptance: torch.Tensor, lengths: torch.Tensor, cut: torch.Tensor) -> bool:
         """Whether verifying `cut` drafts per row (of `lengths`) emits more tokens per second than verifying all,
         priced by the measured cost of forwards of the two mean token counts per row. A cut that leaves rows

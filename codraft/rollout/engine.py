@@ -292,7 +292,7 @@ def generate(
             else:
                 emitted_logprobs = target.gather(-1, emitted[..., None]).squeeze(-1).log()
             if controller is not None and confidence is not None:
-                controller.calibration.observe(confidence, num_drafts, accepted)
+                controller.observe_drafts(confidence, num_drafts, accepted)
         else:
             accepted = torch.zeros(live, dtype=torch.long, device=device)
             nxt, nxt_logprob = draw(fwd.logits[:, 0], params, generator)

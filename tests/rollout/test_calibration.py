@@ -88,3 +88,11 @@ def test_a_step_cost_counts_only_the_drafts_verified():
     assert c.cost(8, 5) == before and abs(c.verified_drafts(4) - 1.0) < 1e-9
     assert abs(c.step_seconds(8, 4) - (c.cost(8, 2) + c.draft_cost(4, 8))) < 1e-9
     assert abs(c.verified_drafts(2) - 0.5) < 1e-9  # an unseen k: the share of the nearest seen one
+
+
+def test_the_calibration_learns_only_where_cuts_read_it():
+    conf, verified = torch.full((2, 3), 0.5), torch.tensor([3, 3])
+    for truncate in (False, True):
+        c = SpeculationController(4, truncate=truncate)
+        c.observe_drafts(conf, verified, torch.tensor([1, 2]))
+        assert c.calibration.trials.sum().item() == (6 if truncate else 0)
