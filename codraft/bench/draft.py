@@ -153,7 +153,7 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
         return float("nan")
     decode_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
     per_proposal = (stats.time_draft_s - stats.time_draft_backlog_s) / steady
-    return per_proposal / (sum(ks) / len(ks) if per_token else 1) / decode_s  # fixed k: every proposal drafts k
+    return per_proposal / (stats.draft_positions / len(ks) if per_token else 1) / decode_s
 
 
 def prefill_recorded(runs: dict[str, Callable[[], Rollout]]
@@ -195,6 +195,8 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
             / (outputs[f"ar_t{t:g}"].stats.tokens_generated / median(decode_times[f"ar_t{t:g}"])))
         result[f"prefill_share_t{t:g}"] = median(prefill[f"ar_t{t:g}"]) / median(times[f"ar_t{t:g}"])
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
+        spec = outputs[f"spec_t{t:g}"].stats
+        result[f"spec_drafted_per_step_t{t:g}"] = spec.draft_positions / max(sum(map(bool, spec.k_chosen)), 1)
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")
         if f"ar_matched_t{t:g}" in times:  # each round's plain time at that round's adaptive lengths
@@ -237,20 +239,24 @@ def tables(payload: dict) -> str:
              r[f"spec_speedup_t{t:g}"], r.get(f"prefill_share_t{t:g}", nan), r.get(f"spec_speedup_decode_t{t:g}", nan),
              r["tokens_per_s"].get(f"ar_matched_t{t:g}", nan),
              r.get(f"spec_speedup_length_matched_t{t:g}", nan), r[f"spec_tau_t{t:g}"],
-             str(r[f"spec_k_histogram_t{t:g}"]), r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"],
+             str(r[f"spec_k_histogram_t{t:g}"]), r.get(f"spec_drafted_per_step_t{t:g}", nan),
+             r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"],
              r[f"draft_cost_share_t{t:g}"],
              r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
     text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "prefill share of AR time",
                             "adaptive speedup, decode only",
                             "length-matched AR tok/s", "adaptive speedup, length-matched", "adaptive tau",
-                            "adaptive k used", f"k={k} speedup", f"k={k} tau", f"draft cost / decode step (per {unit})",
+                            "adaptive k used", "adaptive drafts per step", f"k={k} speedup", f"k={k} tau",
+                            f"draft cost / decode step (per {unit})",
                             "greedy tokens identical"], rows)
     stops = "stop tokens on: rows end at EOS" if payload.get("stop_tokens") else "stop tokens off"
     text += f"\nAdaptive k (at most {k}) and fixed k = {k}, {payload['max_new_tokens']} new tokens per row at most " \
             f"({stops}), speedup = tokens/s ratio, medians of {payload['repeats']} interleaved repeats; each timed " \
             f"run decodes up to {SPEED_GROUPS} batches of distinct held-out prompts one after the other.\n" \
             "Decode only: the same with each round's prefill seconds taken out of its time (the prefill is the same " \
-            "work with and without a draft); prefill share: the plain run's prefill seconds / its time, medians.\n"
+            "work with and without a draft); prefill share: the plain run's prefill seconds / its time, medians.\n" \
+            "Adaptive k used: the most each step could draft; drafts per step: what its steps drafted on average " \
+            "(a chain draft ends a proposal early where its calibrated confidence no longer pays).\n"
     if payload.get("stop_tokens"):
         text += "Length-matched (T > 0): plain decoding with stop tokens off and each row limited to the length the " \
                 "adaptive run gave it in the same round; its speedup is the median over rounds of that run's time / " \

@@ -198,6 +198,7 @@ class DraftModel(nn.Module):
 
     # --- inference hooks used by LearnedDrafter ---
     cache_layers: int = 1  # draft layers that keep a KV cache at inference
+    stops_early: bool = False  # drafts a token per forward, so a proposal can end where `stop` says
 
     def new_state(self, batch_size: int, max_len: int) -> DraftState:
         p = self.fusion.fc.weight
@@ -218,7 +219,10 @@ class DraftModel(nn.Module):
         verify step: while speculation is off the engine's commits only append taps)."""
         return self.fusion.project(state.fresh_taps[:, : int(state.fresh_len.max())])
 
-    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
+    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams,
+                stop: Callable[[torch.Tensor], bool] | None = None) -> Proposal:
+        """Up to k drafts per row; a family that drafts one token per forward (`stops_early`) ends early where
+        `stop` (Drafter.propose) says so, the others ignore it."""
         raise NotImplementedError
 
 
@@ -351,12 +355,17 @@ class LearnedDrafter(Drafter):
         concat = self.draft.concat_taps(taps)
         self.state.append(concat, ids.to(concat.device), lengths.to(concat.device))
 
+    @property
+    def stops_early(self) -> bool:
+        return self.draft.stops_early
+
     @torch.no_grad()
-    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None) -> Proposal:
+    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None,
+                stop: Callable[[torch.Tensor], bool] | None = None) -> Proposal:
         self.state.skip_stale(self.max_backlog, prompts_from=probe_rows)
         rows = pending.shape[0]
         if probe_rows is None or probe_rows >= rows:
-            return self.draft.propose(self.state, pending, k, self.params)
+            return self.draft.propose(self.state, pending, k, self.params, stop)
         # a probe verifies the drafts of its first rows only, so only they draft: at batch 32 a probe's absorb over
         # every row's backlog (padded to the longest, a sampled row's whole prompt) cost ~2 decode steps
         sampled = self.draft.propose(self.state.first_rows(probe_rows), pending[:probe_rows], k, self.params)

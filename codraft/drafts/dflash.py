@@ -329,8 +329,9 @@ class DFlashDraft(DraftModel):
         state.absorb_all()
         state.cache.lengths.copy_(state.absorbed)
 
-    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
-        """One block forward per row -> min(k, b-1) drafts per row."""
+    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams,
+                stop: Callable[[torch.Tensor], bool] | None = None) -> Proposal:
+        """One block forward per row -> min(k, b-1) drafts per row (all at once: `stop` does not apply)."""
         self.absorb(state)
         n = state.absorbed  # [B] committed tokens; the block starts at position n
         B, L, b = n.numel(), int(n.max()), self.block_size

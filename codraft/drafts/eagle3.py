@@ -20,6 +20,7 @@ overwrites. That is exactly the attention pattern of TTT step s at t = n-1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -81,6 +82,7 @@ class Eagle3Draft(DraftModel):
 
     family = "eagle3"
     reads_whole_vocabulary = False  # its draft vocabulary's columns and a flag (`policy_rows`)
+    stops_early = True
 
     def __init__(
         self,
@@ -218,8 +220,10 @@ class Eagle3Draft(DraftModel):
 
     # --- inference ---
     @torch.no_grad()
-    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams) -> Proposal:
-        """Absorb the fresh committed tokens, then draft a chain of k tokens per row.
+    def propose(self, state: DraftState, pending: torch.Tensor, k: int, params: SamplingParams,
+                stop: Callable[[torch.Tensor], bool] | None = None) -> Proposal:
+        """Absorb the fresh committed tokens, then draft a chain of up to k tokens per row, ending after the i-th
+        where `stop` says so of the confidences so far (the forward for the next is not run).
 
         Greedy rows need no distribution (the draft's argmax is a point mass); sampled ones report theirs
         over the draft vocabulary only (`Proposal.vocab`), the rest of the target vocab having q = 0.
@@ -233,11 +237,12 @@ class Eagle3Draft(DraftModel):
             tokens.append(vocab[local])
             probs.append(p)
             confidence.append(c)
-            if i + 1 < k:  # tentative keys at n-1+i+1, past the committed length
-                pos = (last + i + 1)[:, None]
-                hidden = self._cached_forward(state, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
+            if i + 1 == k or (stop is not None and stop(torch.stack(confidence, 1))):
+                break
+            pos = (last + i + 1)[:, None]  # tentative keys at n-1+i+1, past the committed length
+            hidden = self._cached_forward(state, hidden[:, None], tokens[-1][:, None], pos, None)[:, 0]
         B = pending.shape[0]
-        lengths = torch.full((B,), k, dtype=torch.long, device=pending.device)
+        lengths = torch.full((B,), len(tokens), dtype=torch.long, device=pending.device)
         sampled = not params.greedy
         return Proposal(torch.stack(tokens, 1), lengths, torch.stack(probs, 1) if sampled else None,
                         vocab=vocab if sampled else None, confidence=torch.stack(confidence, 1))

@@ -4,7 +4,8 @@ The engine owns the target's KV cache; a drafter owns whatever state it needs
 (token history, its own KV cache, features) and keeps it in step through three
 calls per verify step:
 
-    propose(pending, k)      -> up to k tokens per row (and their distributions)
+    propose(pending, k)      -> up to k tokens per row (and their distributions); a chain
+                              drafter (`stops_early`) may end early by the controller's rule
     commit(tokens, kept, taps) after verification: the tokens now in the target's
                               cache and the target's taps for them
     keep_rows(rows)          when the engine drops finished rows from the batch
@@ -12,7 +13,7 @@ calls per verify step:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +59,7 @@ class Drafter:
     tap_layers: tuple[int, ...] = ()
     model: nn.Module | None = None  # a learned drafter's weights, which the engine packs for inference
     model_dtype: torch.dtype | None = None  # the dtype of those packed copies (None: the weights' own)
+    stops_early: bool = False  # drafts one token per forward and takes `stop` in propose
 
     def start(
         self,
@@ -71,11 +73,13 @@ class Drafter:
         ever hold more than `max_len` tokens (prompt + output + speculation). Drafters that
         sample draw from `generator`, so a seeded generate call is reproducible."""
 
-    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None) -> Proposal:
+    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None,
+                stop: Callable[[torch.Tensor], bool] | None = None) -> Proposal:
         """pending [B]: the last emitted token of each row (not yet in the target's cache). `probe_rows`: this
         is a probe, which samples acceptance on the drafts of the first `probe_rows` rows only, so a drafter
         may propose nothing for the others (a learned draft does not run on them, and skips their old context,
-        prompt included)."""
+        prompt included). `stop` (passed to a drafter that `stops_early`): called with the confidences [B, i] of
+        the first i drafts, True ends the proposal there."""
         raise NotImplementedError
 
     def commit(self, tokens: torch.Tensor, kept: torch.Tensor, taps: dict[int, torch.Tensor]) -> None:

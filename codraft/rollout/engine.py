@@ -173,10 +173,14 @@ def generate(
     _check_prompts(prompts, args.vocab_size, args.max_position_embeddings, [n + k_max + 1 for n in row_limits])
     stop_ids = torch.tensor(args.eos_token_id if stop_token_ids is None else list(stop_token_ids), dtype=torch.long)
     controller = adaptive if isinstance(adaptive, SpeculationController) else None
+    # a greedy draft's confidence in its argmax says well whether the target's argmax agrees; a sampled token's
+    # does not say whether p/q passes (at T=1 drafts below 2% cumulative confidence were accepted 11% of the time),
+    # so only greedy calls end proposals early
+    stops_early = drafter is not None and drafter.stops_early and params.greedy
     if adaptive is True and k_max:
         controller = SpeculationController(k_max)
     if controller is not None:
-        controller.new_batch(len(prompts))
+        controller.new_batch(len(prompts), stops_early=stops_early)
 
     device = next(model.parameters()).device
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
@@ -247,14 +251,16 @@ def generate(
         sampled_all = not probing or controller.probe_rows >= live
         proposal, t_draft = None, time.perf_counter()
         if k:
-            proposal = drafter.propose(pending, k, probe_rows=controller.probe_rows if probing else None)
+            stop = {"stop": controller.stop_rule(live, k)} if controller is not None and stops_early else {}
+            proposal = drafter.propose(pending, k, probe_rows=controller.probe_rows if probing else None, **stop)
             problem = _usable(proposal, live, k, args.vocab_size)
             if problem is not None:
                 log.warning("drafter proposal rejected (%s); decoding this step without speculation", problem)
                 stats.malformed_proposals += 1
                 proposal, k = None, 0
-            else:
-                k = min(k, proposal.tokens.shape[1])  # a drafter may propose fewer (a DFlash block holds b-1)
+            # k stays the most the step could draft: a drafter may propose fewer (a DFlash block holds b-1, a chain
+            # stops early), and the controller learns what a step of k yields with that counted as rejected
+            stats.draft_positions += proposal.tokens.shape[1] if proposal is not None else 0
         t_verify = time.perf_counter()
         stats.time_draft_s += t_verify - t_draft
         if k and not caught_up:

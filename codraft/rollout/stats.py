@@ -16,7 +16,8 @@ class RolloutStats:
     draft_tokens_accepted: int = 0
     proposed_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    k_chosen: list[int] = field(default_factory=list)  # k of each verify step
+    k_chosen: list[int] = field(default_factory=list)  # k of each verify step (the most it could draft)
+    draft_positions: int = 0  # positions drafted, summed over proposals (<= k: a chain draft may stop early)
     malformed_proposals: int = 0
     time_prefill_s: float = 0.0
     time_draft_s: float = 0.0

@@ -390,3 +390,59 @@ def test_a_draft_built_with_head_from_policy_decodes_hidden_states_as_the_policy
     torch.testing.assert_close(draft.head(hidden), policy.logits(hidden)[:, draft.draft_ids()])
     random = build_draft(draft_config("eagle3", draft_vocab_size=16), policy, None, corpus)
     assert not torch.allclose(random.head(hidden), policy.logits(hidden)[:, random.draft_ids()])
+
+
+def test_a_stopped_proposal_is_the_first_drafts_of_the_whole_one(trained):
+    """`stop` is asked after each draft but the last, with the confidences so far; where it says stop, the proposal
+    is the first drafts of the one it would have made (the next draft forward is not run)."""
+    policy, draft = trained
+    prompts = PROMPTS[:3]
+    ids = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    with torch.no_grad():
+        taps = policy(ids, taps=draft.tap_layers).taps
+    pending, params = torch.tensor([5, 6, 7]), SamplingParams(0.0)
+    proposals, asked = [], []
+    for stop in (None, lambda c: asked.append(c.shape) or c.shape[1] == 2):
+        drafter = draft.drafter()
+        drafter.start(prompts, taps, params, 64)
+        proposals.append(drafter.propose(pending, 4, stop=stop))
+    whole, stopped = proposals
+    assert asked == [(3, 1), (3, 2)]
+    assert stopped.lengths.tolist() == [2, 2, 2] and stopped.tokens.shape == (3, 2)
+    assert torch.equal(stopped.tokens, whole.tokens[:, :2])
+    torch.testing.assert_close(stopped.confidence, whole.confidence[:, :2])
+
+
+def test_greedy_speculation_that_stops_drafts_early_equals_plain_decoding(trained):
+    """A controller whose rule ends some proposals after one or two drafts of k = 3: tokens as plain decoding's,
+    steps counted at k = 3 with fewer drafts made; a sampled call is given no rule."""
+    from codraft.rollout import SpeculationController
+    from codraft.rollout.calibration import DraftStop
+
+    class Stopping(SpeculationController):
+        def __init__(self):
+            super().__init__(3)
+            self.rules = 0
+
+        def choose(self, rows, remaining=None):
+            self.probing = False
+            return 3
+
+        def stop_rule(self, rows, k):
+            self.rules += 1
+            return DraftStop(self.calibration, min_accepted=0.0 if self.rules % 3 == 0 else 10.0 * (self.rules % 2))
+
+    policy, draft = trained
+    kw = dict(temperature=0, max_new_tokens=24, stop_token_ids=[])
+    plain = generate(policy, PROMPTS, **kw)
+    c = Stopping()
+    spec = generate(policy, PROMPTS, drafter=draft.drafter(), num_speculative_tokens=3, adaptive=c, **kw)
+    assert spec.tokens == plain.tokens
+    assert set(spec.stats.k_chosen) == {3} and spec.stats.draft_positions < 3 * len(spec.stats.k_chosen)
+    assert spec.stats.draft_tokens_accepted > 0
+    sampled = Stopping()
+    generate(policy, PROMPTS, drafter=draft.drafter(), num_speculative_tokens=3, adaptive=sampled, seed=0,
+             **(kw | {"temperature": 1.0}))
+    assert sampled.rules == 0

@@ -375,3 +375,36 @@ def test_a_batch_speculates_only_where_the_gain_outlasts_its_last_row():
     assert c.choose(8) > 0  # by the rows' mean
     assert c.choose(8, [47] * 8) == 0
     assert c.choose(1, [47]) > 0
+
+
+def test_with_draft_stops_a_step_is_on_at_max_k_or_off():
+    """Where the draft's confidence ends each proposal, the controller picks only whether to speculate: k is the
+    most a proposal may draft. Off at a useless draft, max_k (not the best fixed k) at a good one."""
+    def chosen(rate: float, stops_early: bool) -> int:
+        c = controller_with_costs(decode_s=0.01, extra_per_token=0.05)
+        c.new_batch(1, stops_early=stops_early)
+        observe_acceptance(c, rate, rows=1, steps=40, k=4)
+        c.observe(0, [], [], 1, verify_s=0.01, draft_s=None)  # the refresh's plain step
+        k = c.choose(1)
+        return -1 if c.probing else k  # a call's first step probes a controller that is off
+
+    assert chosen(0.9, True) == 4 and chosen(0.0, True) == -1
+    # the first draft always accepted, the second never: one k per step picks k = 1 (a sampled call, a block drafter)
+    assert chosen(0.7, True) == 4 and chosen(0.7, False) == 1
+
+
+def test_the_stop_rule_prices_a_draft_position_by_its_measured_cost():
+    """min_accepted = rows x (a draft position's seconds + a verified token per row's) / a decode step's seconds; the
+    position's seconds come from the rule's own timing once a step observed it, else draft_prior decode steps."""
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=2)
+    c.verified[4] = 4.0
+    rule = c.stop_rule(2, 4)
+    assert abs(rule.min_accepted - 2 * (0.05 + 0.05)) < 1e-9
+    rule.position_s[:] = [0.002, 0.002]
+    c.observe(4, [2, 1, 0, 0], [1, 0, 0, 0], 2, verify_s=c.cost(2, 5), draft_s=0.005)
+    assert c.position_s[2] == 0.002 and c.stop is None
+    assert abs(c.stop_rule(2, 4).min_accepted - 2 * (0.2 + 0.05)) < 1e-9
+    c.probing = True
+    assert c.stop_rule(2, 4) is None  # a probe samples every position
+    c.probing = False
+    assert c.stop_rule(2, 1) is None and SpeculationController(4, draft_stop=False).stop_rule(1, 4) is None

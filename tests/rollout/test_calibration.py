@@ -3,7 +3,7 @@
 import torch
 
 from codraft.rollout.adaptive import SpeculationController
-from codraft.rollout.calibration import DraftCalibration
+from codraft.rollout.calibration import DraftCalibration, DraftStop
 from tests.rollout.test_adaptive import controller_with_costs
 
 
@@ -90,9 +90,22 @@ def test_a_step_cost_counts_only_the_drafts_verified():
     assert abs(c.verified_drafts(2) - 0.5) < 1e-9  # an unseen k: the share of the nearest seen one
 
 
-def test_the_calibration_learns_only_where_cuts_read_it():
+def test_the_calibration_learns_only_where_cuts_or_stops_read_it():
     conf, verified = torch.full((2, 3), 0.5), torch.tensor([3, 3])
-    for truncate in (False, True):
-        c = SpeculationController(4, truncate=truncate)
+    for truncate, stop, stops_early in ((False, False, True), (True, False, False), (False, True, True),
+                                        (False, True, False)):
+        c = SpeculationController(4, truncate=truncate, draft_stop=stop)
+        c.new_batch(2, stops_early=stops_early)  # a greedy call with a chain draft
         c.observe_drafts(conf, verified, torch.tensor([1, 2]))
-        assert c.calibration.trials.sum().item() == (6 if truncate else 0)
+        assert c.calibration.trials.sum().item() == (6 if truncate or (stop and stops_early) else 0)
+
+
+def test_a_draft_stops_where_the_next_draft_is_not_worth_its_cost():
+    """The next draft is priced at the last one's confidence again: after 0.9 (cumulative 0.9, next 0.81: prior 0.8)
+    go on at a price of 0.5, after 0.9 then 0.3 (next 0.9 * 0.3 * 0.3 = 0.081: prior 0.075) stop; over two rows
+    their sum is what pays."""
+    stop = DraftStop(DraftCalibration(), min_accepted=0.5)
+    assert not stop(torch.tensor([[0.9]]))
+    assert stop(torch.tensor([[0.9, 0.3]]))
+    assert not DraftStop(DraftCalibration(), min_accepted=0.8)(torch.tensor([[0.9, 0.3], [0.95, 0.95]]))
+    assert len(stop.position_s) == 1 and stop.position_s[0] >= 0  # the seconds between its two calls

@@ -44,7 +44,7 @@ class NgramDrafter(Drafter):
         """Up to k proposed tokens for `row`, whose tokens so far are `history`."""
         return lookup(history, history, k, self.max_ngram, self.min_ngram)
 
-    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None) -> Proposal:
+    def propose(self, pending: torch.Tensor, k: int, probe_rows: int | None = None, stop: None = None) -> Proposal:
         tokens = torch.zeros(len(self.histories), k, dtype=torch.long)
         lengths = torch.zeros(len(self.histories), dtype=torch.long)
         for row, last in enumerate(pending.tolist()):
