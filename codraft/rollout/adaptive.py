@@ -33,19 +33,13 @@ decode step per token. Where no forward of several tokens per row was timed at
 the batch's row count (or more), the first speculative step is k = 1: the
 cheapest shape, whose timing then prices the others.
 
-What the per-step model leaves out is audited once per generate call: the
-seconds of the call's draft and verify steps against what plain decoding of the
-same rows to the same lengths costs by the measured decode costs (rows that
-finish early leave later steps with fewer rows, which on a CPU cost nearly as
-much). The shortfall against the savings the model's step costs predict for the
-tokens the call's speculative steps did emit is a per-step overhead, kept per
-batch size: backlog absorbs, the ragged tail of rows that speculation moved
-ahead unevenly, costs the model misjudged. At batch 32 on this CPU those made
-speculative steps that each paid by the model lose as a whole call. Acceptance
-is judged in hindsight there: an estimate that lagged a burst of acceptance (the
-n-gram drafter copying a sentence, then nothing) is the acceptance estimate's
-error, not a cost of each step, and priced as one it kept batch 1 off at 0.2-0.3
-decode steps a step where k=4 ran 1.26x plain decoding.
+Until stop 40 what the per-step model leaves out was audited once per generate call (the call's seconds against
+plain decoding's by the measured decode costs, the shortfall against the model's predicted saving charged as a
+per-step overhead per batch size). With shape costs as medians (one stall no longer prices a shape) and the last
+row's pace priced per step (`tail`), that audit mostly charged its own noise: in GRPO-like rollouts (1 prompt x 4
+samples, T=1, stop tokens on, 192 tokens; 10 interleaved calls each against plain decoding of the same rows to the
+same lengths) adaptive ran 1.34x plain decoding with it and 1.42x without (fixed k = 3: 1.44x), and `bench draft`
+and `bench rollout` without it read the same or better in every cell but noise (README, stop 40).
 
 A chain draft (EAGLE-3: one token per draft forward) in a greedy call ends each proposal where its own
 confidence says the next draft no longer pays (`stop_rule`, calibration.DraftStop), so a step is on at max_k or
@@ -66,7 +60,6 @@ import bisect
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass
 from statistics import NormalDist
 
 import torch
@@ -174,24 +167,12 @@ def laggard_z(n: int) -> float:
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
 
 
-@dataclass
-class CallAudit:
-    """One generate call's speculative steps: what the model predicted they save, and their decode cost."""
-
-    rows: int  # the call's batch size
-    overhead: float = 0.0  # the estimate its steps were priced with (decode steps per speculative step)
-    steps: int = 0  # steps with k > 0
-    predicted_saving_s: float = 0.0  # sum over them of plain seconds for the tokens emitted - their priced seconds
-    decode_s: float = 0.0  # sum over them of a decode step's seconds at their rows (the overhead's unit)
-
-
 class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int | None = None, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
-                 min_gain: float = 0.05, refresh_every: int = 32, audit_prior_steps: float = 32.0,
-                 max_overhead: float = 2.0, truncate: bool = False, draft_prior: float = 0.05,
+                 min_gain: float = 0.05, refresh_every: int = 32, truncate: bool = False, draft_prior: float = 0.05,
                  probe_budget: float = 0.02, draft_stop: bool = True):
         if probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1 (the rows whose drafts a probe verifies), got {probe_rows}")
@@ -224,27 +205,20 @@ class SpeculationController:
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
         self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
-        self.step_tail = 1.0  # `tail` of the last choice (1 for a probe or plain step)
         # rows -> a probe's seconds beyond a plain step, in decode steps (EMA). At batch 32 a probe's 36-row forward
         # reads the bf16 weights twice and its draft absorbs 4 prompts: with three probes in a 47-step call and no
         # other speculation, a call took 1.06x plain decoding's time (in-process A/B). Probes come at most once in
         # probe_cost / probe_budget steps off, the start of a call included
         self.probe_cost: dict[int, float] = {}
         self.probe_budget = probe_budget
-        # batch size -> decode steps of cost per speculative step that the per-step model does not see, learned
-        # from each call's audit; a call's estimate weighs steps / (steps + audit_prior_steps), since one
-        # probe's share of a whole call's timing noise is large
-        self.overhead: dict[int, float] = {}
-        self.audit_prior_steps, self.max_overhead = audit_prior_steps, max_overhead
-        self.call = CallAudit(rows=0)
         # per-row draft lengths: a row's drafts past the first one not worth its share of the verify forward
         # are not fed (the forward then runs only the tokens fed); one speculative step in `refresh_every` at
         # each row count feeds them all, which keeps the untruncated cost and the calibration's low buckets fresh.
         # Off by default: a cut draft counts as rejected, so cuts lower the acceptance estimate, and the per-call
-        # audit charged the shortfall as overhead; in GRPO-like rollouts (1 prompt x 4 samples, T=1, stop tokens
-        # on, 192 tokens, the e2e bench's) plain time / adaptive time read 1.06-1.30 with cuts and 1.34-1.40
-        # without, against 1.39-1.47 for fixed k = 3 (medians of 8-12 calls, four interleaved runs); at batch 1-32
-        # they were within noise of no cuts (README, stop 24)
+        # audit (removed at stop 40) charged the shortfall as overhead; in GRPO-like rollouts (1 prompt x 4
+        # samples, T=1, stop tokens on, 192 tokens, the e2e bench's) plain time / adaptive time read 1.06-1.30
+        # with cuts and 1.34-1.40 without, against 1.39-1.47 for fixed k = 3 (medians of 8-12 calls, four
+        # interleaved runs); at batch 1-32 they were within noise of no cuts (README, stop 24)
         self.truncate = truncate
         self.by_stop = False  # the current call's drafter stops early by `stop_rule` (new_batch)
         # a chain draft ends its proposal once its next draft no longer pays (`stop_rule`): k is then the most it
@@ -263,33 +237,6 @@ class SpeculationController:
         self.by_stop = self.draft_stop and stops_early
         if self.steps_off >= self.probe_wait(rows):
             self.steps_off = max(self.steps_off, self.probe_interval - 1)
-        self.call = CallAudit(rows=rows, overhead=self.overhead.get(rows, 0.0))
-
-    def end_batch(self, decode_steps: list[int], seconds: float) -> None:
-        """The call ended: row i emitted decode_steps[i] tokens after its prefill token, and its steps' draft and
-        verify windows (the windows the cost model learns from) took `seconds` in all. Plain decoding would have
-        taken one step per token, with the rows still unfinished at each step."""
-        call = self.call
-        if not call.steps or not self.cost.known():
-            return
-        live = sorted(decode_steps, reverse=True)
-        plain_s = sum(self.cost(sum(1 for n in live if n > t), 1) for t in range(live[0])) if live[0] else 0.0
-        # what the steps lost against their prediction, in decode steps per speculative step: the correction to
-        # the overhead they were priced with
-        correction = (call.predicted_saving_s - (plain_s - seconds)) / call.decode_s
-        weight = call.steps / (call.steps + self.audit_prior_steps)
-        self.overhead[call.rows] = min(max(call.overhead + weight * correction, 0.0), self.max_overhead)
-
-    def audited_overhead(self) -> float | None:
-        """The overhead estimate at the last call's batch size (decode steps per speculative step), None before a
-        call of that size was audited."""
-        return self.overhead.get(self.call.rows)
-
-    def step_overhead(self, rows: int) -> float:
-        """Seconds a speculative step at `rows` costs beyond verify + draft: the estimate for the call's batch size
-        (0 until a call of that size was audited: what a tail of rows costs depends on how many there are) in
-        decode steps at `rows`."""
-        return self.call.overhead * self.cost(rows, 1) if self.call.overhead else 0.0
 
     @property
     def accept(self) -> list[float]:
@@ -316,10 +263,10 @@ class SpeculationController:
         standard deviation of a row's progress over S steps (sd sqrt(S)) of it, the slowest takes about
         z(n) sd sqrt(S) tokens more: a factor 1 + z(n) cv / sqrt(S) on the steps. At batch 8 and 48 tokens with
         EAGLE-3's sampled acceptance that is 1.06-1.14 (k = 1-4), as much as the per-step model's whole predicted
-        gain there; unpriced, the per-call audit had to learn it call by call, and batch 8 lost 7% at T=1.
+        gain there; unpriced, the per-call audit (stop 38) had to learn it call by call, and batch 8 lost 7% at T=1.
         `remaining`: each live row's tokens still allowed, where that is its length (no stop tokens); None: rows
         end at stop tokens, their lengths differ more than their progress, and the call's end is its longest row
-        (no tail; the per-call audit learns what is left)."""
+        (no tail)."""
         if not k or not remaining:
             return 1.0
         mean, var = self.emitted_moments(k)
@@ -342,7 +289,7 @@ class SpeculationController:
     def step_seconds(self, rows: int, k: int) -> float:
         if not k:
             return self.cost(rows, 1)
-        return self.cost(rows, 1 + self.verified_drafts(k)) + self.draft_cost(k, rows) + self.step_overhead(rows)
+        return self.cost(rows, 1 + self.verified_drafts(k)) + self.draft_cost(k, rows)
 
     def verified_drafts(self, k: int) -> float:
         """Drafts per row a step of k verifies: observed, else k times the share verified at the nearest observed k."""
@@ -417,7 +364,7 @@ class SpeculationController:
 
     def choose(self, rows: int, remaining: list[int] | None = None) -> int:
         """k for the next step of `rows` live rows; `remaining`: each one's tokens still allowed (`tail`)."""
-        self.probing, self.step_tail = False, 1.0
+        self.probing = False
         if not self.cost.known():
             return 0  # the first steps decode plainly and so time a decode step
         # until a forward of several tokens per row was timed at these rows (or more), the first full step is the
@@ -435,7 +382,6 @@ class SpeculationController:
             self.steps_off, self.probe_interval = 0, self.first_probe
             if self.since_decode.get(rows, self.refresh_every) >= self.refresh_every:
                 return 0
-            self.step_tail = self.tail(best, remaining)
             return best
         # off, or on by the prior alone (no acceptance observed yet), which is only worth a probe
         self.steps_off += 1
@@ -462,13 +408,6 @@ class SpeculationController:
         """reached[i]/accepted[i]: rows for which draft position i was in play / accepted. draft_s: seconds of
         the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting). fed: tokens
         the verify forward ran (default: all rows x (k + 1)), which key its time in the cost model per row."""
-        if k and self.cost.known():  # what the model's costs, as they stand before this step, say the step saved
-            decode = self.cost(rows, 1)
-            # tokens per row, as plain decoding would have made them, at the pace the step was priced for (`tail`)
-            emitted = (1 + sum(accepted[:k]) / rows) / self.step_tail
-            self.call.steps += 1
-            self.call.predicted_saving_s += emitted * decode - self.step_seconds(rows, k)
-            self.call.decode_s += decode
         for i in range(min(k, self.max_k)):
             fade = min(1.0, self.memory / (self.trials[i] + reached[i])) if reached[i] else 1.0
             self.hits[i] = fade * (self.hits[i] + accepted[i])

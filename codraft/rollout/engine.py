@@ -340,8 +340,6 @@ def generate(
 
     stats.time_total_s = time.perf_counter() - start
     stats.tokens_generated = sum(len(r[0]) for r in results)
-    if controller is not None:  # each row's first token came from the prefill
-        controller.end_batch([len(r[0]) - 1 for r in results], stats.time_draft_s + stats.time_verify_s)
     return Rollout(
         prompts=[list(p) for p in prompts],
         tokens=[r[0] for r in results],

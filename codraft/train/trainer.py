@@ -186,10 +186,6 @@ class Trainer:
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
         metrics |= speedup  # measured on this step, or nothing
-        overhead = self.controller.audited_overhead() if self.controller is not None else None
-        if overhead is not None:  # decode steps a speculative step costs beyond the model: an estimate, since the
-            # audit's plain-decoding cost comes from the cost model, not from a plain run
-            metrics["spec/overhead_estimate"] = overhead
         if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
             metrics |= self.drift.measure(self.policy)
         return average_metrics(metrics | train_metrics, self.dims)

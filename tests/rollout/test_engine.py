@@ -158,24 +158,6 @@ def test_rows_verifying_fewer_drafts_than_others_keep_greedy_output():
     assert any(f not in (len(PROMPTS), 5 * len(PROMPTS)) for f in controller.fed[1:])  # ragged steps ran
 
 
-def test_the_controller_audits_each_call_with_its_rows_decode_steps_and_seconds():
-    class Recording(SpeculationController):
-        def __init__(self):
-            super().__init__(3)
-            self.ends = []
-
-        def end_batch(self, decode_steps, seconds):
-            self.ends.append((self.call.rows, decode_steps, seconds))
-            super().end_batch(decode_steps, seconds)
-
-    c = Recording()
-    out = generate(model_for_greedy(), PROMPTS, drafter=NgramDrafter(), num_speculative_tokens=3, temperature=0,
-                   max_new_tokens=[5, 9, 12, 3], stop_token_ids=[], adaptive=c)
-    [(rows, decode_steps, seconds)] = c.ends
-    assert rows == len(PROMPTS) and decode_steps == [4, 8, 11, 2] == [len(t) - 1 for t in out.tokens]
-    assert 0 < seconds < out.stats.time_total_s
-
-
 def test_the_controller_sees_each_live_rows_remaining_tokens_only_where_those_are_its_length():
     """With stop tokens off a row runs to its limit, so the batch's last row is known (the controller's `tail`);
     with stop tokens on a row's length is its own, and the controller is told nothing."""
