@@ -195,8 +195,7 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
             / (outputs[f"ar_t{t:g}"].stats.tokens_generated / median(decode_times[f"ar_t{t:g}"])))
         result[f"prefill_share_t{t:g}"] = median(prefill[f"ar_t{t:g}"]) / median(times[f"ar_t{t:g}"])
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
-        spec = outputs[f"spec_t{t:g}"].stats
-        result[f"spec_drafted_per_step_t{t:g}"] = spec.draft_positions / max(sum(map(bool, spec.k_chosen)), 1)
+        result[f"spec_drafted_per_step_t{t:g}"] = outputs[f"spec_t{t:g}"].stats.drafts_per_step
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")
         if f"ar_matched_t{t:g}" in times:  # each round's plain time at that round's adaptive lengths

@@ -47,6 +47,11 @@ class RolloutStats:
         return sum(self.k_chosen) / max(len(self.k_chosen), 1)
 
     @property
+    def drafts_per_step(self) -> float:
+        """Positions drafted per speculative step, on average (at most its k: a chain draft may stop early)."""
+        return self.draft_positions / max(sum(1 for k in self.k_chosen if k), 1)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens_generated / self.time_total_s if self.time_total_s > 0 else 0.0
 

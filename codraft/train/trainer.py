@@ -175,6 +175,7 @@ class Trainer:
             "spec/draft_tokens": float(stats.draft_tokens_proposed),
             "rollout/tokens_per_s": stats.tokens_per_s,
             "spec/mean_k": stats.mean_k,  # the controller's k, per verify step
+            "spec/drafts_per_step": stats.drafts_per_step,  # what its speculative steps drafted
             "time/rollout_s": t_rollout,
             "time/rollout_draft_s": stats.time_draft_s,  # of time/rollout_s: proposals, verify forwards, prefill
             "time/rollout_verify_s": stats.time_verify_s,

@@ -440,7 +440,7 @@ def test_greedy_speculation_that_stops_drafts_early_equals_plain_decoding(traine
     c = Stopping()
     spec = generate(policy, PROMPTS, drafter=draft.drafter(), num_speculative_tokens=3, adaptive=c, **kw)
     assert spec.tokens == plain.tokens
-    assert set(spec.stats.k_chosen) == {3} and spec.stats.draft_positions < 3 * len(spec.stats.k_chosen)
+    assert set(spec.stats.k_chosen) == {3} and 1 <= spec.stats.drafts_per_step < 3
     assert spec.stats.draft_tokens_accepted > 0
     sampled = Stopping()
     generate(policy, PROMPTS, drafter=draft.drafter(), num_speculative_tokens=3, adaptive=sampled, seed=0,
