@@ -153,7 +153,7 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
         return float("nan")
     decode_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)
     per_proposal = (stats.time_draft_s - stats.time_draft_backlog_s) / steady
-    return per_proposal / (stats.draft_positions / len(ks) if per_token else 1) / decode_s
+    return per_proposal / (stats.drafts_per_step if per_token else 1) / decode_s
 
 
 def prefill_recorded(runs: dict[str, Callable[[], Rollout]]

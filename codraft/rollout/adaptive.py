@@ -162,6 +162,12 @@ class VerifyCostModel:
         return decode * self._ratio(tokens, rows)
 
 
+def update_ema(table: dict, key, value: float, weight: float = 0.3) -> None:
+    """table[key] moves `weight` of the way to `value` (starts there)."""
+    old = table.get(key)
+    table[key] = value if old is None else (1 - weight) * old + weight * value
+
+
 def laggard_z(n: int) -> float:
     """E[max of n standard normals], Blom's approximation (1.03 / 1.42 / 2.04 for 4 / 8 / 32; 0 for one)."""
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
@@ -400,8 +406,7 @@ class SpeculationController:
     def observe_probe(self, rows: int, seconds: float) -> None:
         """A probe's draft and verify took `seconds` (its proposal's backlog included: that is what it cost)."""
         extra = max(seconds / self.cost(rows, 1) - 1, 0.0) if self.cost.known() else 0.0
-        old = self.probe_cost.get(rows)
-        self.probe_cost[rows] = extra if old is None else 0.7 * old + 0.3 * extra
+        update_ema(self.probe_cost, rows, extra)
 
     def observe(self, k: int, reached: list[int], accepted: list[int], rows: int, verify_s: float,
                 draft_s: float | None, fed: int | None = None) -> None:
@@ -419,13 +424,10 @@ class SpeculationController:
         # n-gram ran k=4 at batch 8 at 0.93x plain decoding
         self.cost.observe(rows, fed / rows, verify_s)
         if k:
-            v, old = fed / rows - 1, self.verified.get(k)
-            self.verified[k] = v if old is None else 0.7 * old + 0.3 * v
+            update_ema(self.verified, k, fed / rows - 1)
         self.since_decode[rows] = self.since_decode.get(rows, 0) + 1 if k else 0
         if self.stop is not None and self.stop.position_s:  # the marginal seconds of a draft position at these rows
-            seconds, old = statistics.median(self.stop.position_s), self.position_s.get(rows)
-            self.position_s[rows] = seconds if old is None else 0.7 * old + 0.3 * seconds
+            update_ema(self.position_s, rows, statistics.median(self.stop.position_s))
         self.stop = None
         if k and draft_s is not None:
-            old = self.draft_s.get(k)
-            self.draft_s[k] = draft_s if old is None else 0.7 * old + 0.3 * draft_s
+            update_ema(self.draft_s, k, draft_s)

@@ -43,7 +43,11 @@ class DraftCalibration:
         """confidence [B, k] (each draft's own probability) -> estimated acceptance of each draft with those
         before it [B, k]."""
         cumulative = confidence.float().cumprod(-1)
-        return self.table().to(confidence.device)[torch.bucketize(cumulative, self.edges.to(confidence.device))]
+        return self.table().to(confidence.device)[self.bucket(cumulative)]
+
+    def bucket(self, cumulative: torch.Tensor) -> torch.Tensor:
+        """The bucket of each cumulative confidence (an index into `table()`)."""
+        return torch.bucketize(cumulative, self.edges.to(cumulative.device))
 
     def observe(self, confidence: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor) -> None:
         """confidence [B, k]; the first verified[b] drafts of row b were verified and accepted[b] accepted."""
@@ -73,6 +77,10 @@ class DraftStop:
     # drafting deeper, where a proposal's whole time also holds absorbing the committed tokens
     position_s: list[float] = field(default_factory=list)
     last_call: float | None = None
+    table: torch.Tensor = field(init=False)  # the calibration's, read once: nothing is observed while a proposal drafts
+
+    def __post_init__(self):
+        self.table = self.calibration.table()
 
     def __call__(self, confidence: torch.Tensor) -> bool:
         """confidence [B, i]: the draft's probability of each of its i tokens so far."""
@@ -80,5 +88,5 @@ class DraftStop:
         if self.last_call is not None:
             self.position_s.append(now - self.last_call)
         self.last_call = now
-        ahead = torch.cat([confidence, confidence[:, -1:]], 1)
-        return float(self.calibration(ahead)[:, -1].sum()) < self.min_accepted
+        ahead = confidence.float().prod(-1) * confidence[:, -1]  # the next draft's cumulative confidence [B]
+        return float(self.table.to(ahead.device)[self.calibration.bucket(ahead)].sum()) < self.min_accepted
