@@ -67,9 +67,10 @@ class DraftStop:
     rows together are expected to accept fewer than `min_accepted` of their (i+1)-th drafts (each with all before
     it): a draft forward for the batch and a verified token per row, paid whether accepted or not. The (i+1)-th
     draft's confidence is not known before its forward, so it is taken to be the i-th's (confidence runs in
-    stretches: a copied number, then a choice). On a trace of the EAGLE-3 warm start at batch 1 (stop tokens off,
-    priced by measured costs) that gave 1.48x plain decoding at T=0 where the best fixed k gave 1.35x, and pricing
-    the i-th draft's own acceptance instead (no look-ahead) kept drafting too long (1.40x)."""
+    stretches: a copied number, then a choice). Chosen by an offline estimate (a batch-1 trace of the EAGLE-3 warm
+    start at fixed k = 7, re-priced with per-token costs from timings; not a run): 1.48x plain decoding at T=0
+    against 1.35x for the best fixed k, and the i-th draft's own acceptance as the rule (no look-ahead) 1.40x,
+    drafting too long. Measured in process the gain was smaller (README, stop 40)."""
 
     calibration: DraftCalibration
     min_accepted: float  # drafts accepted, summed over the rows, that pay for one more draft position
