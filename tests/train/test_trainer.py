@@ -223,11 +223,14 @@ def test_a_short_run_of_each_family_writes_every_metric(tmp_path, family):
 
 
 def test_adaptive_speculation_logs_its_choices(tmp_path):
-    """Each rollout's probe at least is a speculative step, so every step logs the k its verify steps chose."""
+    """Every step logs the k its verify steps chose and what they drafted (at most k = 4); the first rollout's
+    probe at least speculates (whether a later one probes depends on the probe's timed cost)."""
     assert main(["train", *TINY, "rl.steps=2", "rl.adaptive=true", "rl.max_new_tokens=12", "draft.family=eagle3",
                  f"run.dir={tmp_path}"]) == 0
     rows = run_metrics(tmp_path)
-    assert all(r.get("spec/mean_k", 0) > 0 and 0 < r["spec/drafts_per_step"] <= 4 for r in rows), rows  # k <= 4
+    assert rows[0]["spec/mean_k"] > 0
+    assert all((r["spec/drafts_per_step"] > 0) == (r["spec/mean_k"] > 0) and r["spec/drafts_per_step"] <= 4
+               for r in rows), rows
 
 
 def test_release_mode_hands_memory_back_after_each_step_and_times_it(tmp_path):
