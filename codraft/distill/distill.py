@@ -24,8 +24,8 @@ import torch
 from codraft.config import Config, DraftTrainConfig
 from codraft.distill.responses import policy_responses
 from codraft.drafts import DraftBatch, DraftModel, build_draft
-from codraft.drafts.autocast import training_autocast
 from codraft.models import Tokenizer, Transformer
+from codraft.models.autocast import training_autocast
 from codraft.observability import progress
 from codraft.rl.batch import PackedRollouts, pack_rollouts, whole_view
 from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task

@@ -262,8 +262,10 @@ class Transformer(nn.Module):
         return part.new_zeros(*x.shape[:2], part.shape[-1]).index_copy(1, rows, part)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + head over residual-stream states [..., hidden]."""
-        return self.lm_head(self.norm(hidden))
+        """Final norm + head over residual-stream states [..., hidden], at the weights' precision also under a
+        training forward's autocast (rl.policy_matmul_dtype): log-probs are RL's ratios and importance weights."""
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.lm_head(self.norm(hidden.to(self.norm.weight.dtype)))
 
     @staticmethod
     def _positions(

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from codraft.models import ModelArgs, Transformer
+from codraft.models.autocast import training_autocast
 from codraft.parallel.tapchannel import TapChannel
 from codraft.rl.batch import MicrobatchMeta
 
@@ -98,9 +99,10 @@ class StageModule(nn.Module):
 
     def __init__(self, model: Transformer, stage: int, pp: int, tap_layers: tuple[int, ...] = (),
                  channel: TapChannel | None = None, draft: nn.Module | None = None,
-                 objective: Objective | None = None):
+                 objective: Objective | None = None, matmul_dtype: str = "float32"):
         super().__init__()
         self.model, self.stage, self.pp = model, stage, pp
+        self.matmul_dtype = matmul_dtype  # the policy's training forward (rl.policy_matmul_dtype)
         self.is_last = stage == pp - 1
         self.own_taps = [layer for layer in tap_layers if layer in model.layer_ids]
         self.channel, self.draft, self.objective = channel, draft, objective
@@ -111,8 +113,9 @@ class StageModule(nn.Module):
         """x: token ids [1, L] (first stage) or hidden [1, L, H]; mb: [1] microbatch index."""
         m = int(mb)
         meta = self.metas[m]
-        out = self.model(x, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.own_taps,
-                         logit_rows=meta.logit_rows if self.is_last else None)
+        with training_autocast(self.model, self.matmul_dtype):
+            out = self.model(x, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.own_taps,
+                             logit_rows=meta.logit_rows if self.is_last else None)
         taps = {layer: t[0, : meta.tokens].detach() for layer, t in out.taps.items()}  # [tokens, H], no way back
         if not self.is_last:
             if taps and self.channel is not None:

@@ -16,7 +16,7 @@ backward (`finite`); a non-finite draft loss is left out of the draft update (`s
 policy's; the ratio's old log-probs are the first pass's own (detached), kept per microbatch for the later
 optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-probs of the same tokens
 (train/reference.py: no gradient, computed once per update before the forward/backward) enter the k3 KL term
-(metric kl/ref); the draft's loss runs its matmuls under `rl.draft_matmul_dtype` (drafts/autocast.py), the RL
+(metric kl/ref); the draft's loss runs its matmuls under `rl.draft_matmul_dtype` (models/autocast.py), the RL
 loss never.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
-from codraft.drafts.autocast import training_autocast
+from codraft.models.autocast import training_autocast
 from codraft.parallel.collectives import sum_over_replicas
 from codraft.parallel.mesh import ParallelDims
 from codraft.rl.batch import Microbatch, per_sequence

@@ -25,6 +25,7 @@ import torch
 from codraft.config import Config, ConfigError
 from codraft.distill.warm_start import initial_draft
 from codraft.models import load_policy
+from codraft.models.autocast import training_autocast
 from codraft.parallel.collectives import (
     all_agree,
     average_metrics,
@@ -289,15 +290,16 @@ class Trainer:
         dims = self.dims
         if dims.pp == 1:
             meta = mbs[0].meta
-            out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps,
-                             logit_rows=meta.logit_rows)
+            with training_autocast(self.stage, self.cfg.rl.policy_matmul_dtype):
+                out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps,
+                                 logit_rows=meta.logit_rows)
             taps = {layer: t[0].detach() for layer, t in out.taps.items()}  # [T, H]: the draft reads, never writes
             loss = objective(0, out.logits[0], taps)
             if loss.requires_grad:  # not when the RL loss was non-finite and there is no draft term
                 loss.backward()
             return
         module = StageModule(self.stage, dims.pp_rank, dims.pp, self.taps, channel,
-                             self.draft if dims.is_last_stage else None, objective)
+                             self.draft if dims.is_last_stage else None, objective, self.cfg.rl.policy_matmul_dtype)
         module.metas = [mb.meta for mb in mbs]
         run_pipeline(module, ids if dims.pp_rank == 0 else None, schedule=self.cfg.parallel.pp_schedule,
                      group=dims.pp_group, device=self.device)

@@ -210,7 +210,7 @@ def test_bf16_matmuls_in_distillation_keep_the_fp32_loss_and_gradients(family):
 
     from codraft.distill.distill import draft_batch
     from codraft.drafts import build_draft
-    from codraft.drafts.autocast import training_autocast
+    from codraft.models.autocast import training_autocast
     from tests.drafts.blocks import draft_config, tiny_policy
 
     policy = tiny_policy(dtype=torch.float32)

@@ -147,6 +147,19 @@ def test_logits_at_rows_are_the_full_head_s_there_and_zero_elsewhere():
 
 
 @torch.no_grad()
+def test_the_head_runs_at_the_weights_precision_under_a_training_autocast():
+    """rl.policy_matmul_dtype autocasts the layers' matmuls; the head's logits (RL's log-probs) stay fp32, bit for
+    bit what the head gives the same hidden states without autocast."""
+    model = tiny().float()
+    ids = torch.randint(0, 97, (1, 10))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids)
+    assert out.logits.dtype == torch.float32
+    assert torch.equal(out.logits, model.logits(out.hidden))
+    assert not torch.equal(out.logits, model(ids).logits)  # the layers did run in bf16
+
+
+@torch.no_grad()
 def test_a_cached_forward_of_active_tokens_equals_the_full_one_on_them():
     """Rows feeding a prefix of their tokens (3, 1 and 4 of 4): logits, hidden, taps and cache keys of those
     tokens are the full forward's, and the others are zero."""
