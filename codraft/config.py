@@ -236,7 +236,7 @@ class RLConfig:
     # in co-training (autocast; the policy, weights, optimizer state, losses and attention stay fp32; the e2e
     # workload's draft training took 0.63x its fp32 time). CP/PP shards then round differently from one process
     draft_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # draft's matmuls; auto: bf16 where native
-    # the policy's training forward (its head stays at the weights' precision): 0.74x the update's time on this
+    # the policy's training forward (its head stays at the weights' precision): 0.71-0.74x the update's time on this
     # project's AMX CPU; float32 (default) keeps its gradients, and layouts' match with one process, exact
     policy_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
     num_speculative_tokens: int = 4

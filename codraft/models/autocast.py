@@ -4,9 +4,9 @@ Weights, optimizer state, losses and gradients stay fp32; under autocast only th
 inputs. Measured on this project's CPU (e2e chain workload, in-process A/Bs, README "End to end"):
 - a draft's training forward+backward cost 15.6% of the policy's in fp32 (EAGLE-3, 3 TTT steps, an 8192-token
   head), 9.8% with its matmuls in bf16;
-- the policy's whole update (1 x 4 answers of up to 192 tokens, draft term included) took 0.74x its fp32 time with
-  the policy's matmuls in bf16 and its head kept at the weights' precision (`Transformer.logits`), at a
-  train/inference KL of 3.8e-4 against fp32's 2.3e-4 on the same weights and rollout.
+- the policy's whole update (1 x 4 answers of up to 192 tokens, draft term included) took 0.71-0.74x its fp32 time
+  with the policy's matmuls in bf16 and its head kept at the weights' precision (`Transformer.logits`), at a
+  train/inference KL of 3.8-4.7e-4 against fp32's 2.3e-4 on the same weights and rollout.
 The policy's setting (`rl.policy_matmul_dtype`) is float32 by default: its gradients, and a CP/PP layout's match with
 one process, are then exactly what they were.
 """
