@@ -42,8 +42,9 @@ def _pp_matches_single(rank: int, world_size: int, draft: list[str], run_dir: st
 
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
-@pytest.mark.parametrize("draft", [["draft.family=none"], EAGLE3_EXACT, [*EAGLE3_EXACT, "model.path=tiny-qwen3"]],
-                         ids=["no-draft", "eagle3", "eagle3-untied-head"])
+@pytest.mark.parametrize("draft", [["draft.family=none"], EAGLE3_EXACT, [*EAGLE3_EXACT, "model.path=tiny-qwen3"],
+                                   ["draft.family=none", "rl.policy_matmul_dtype=bfloat16"]],
+                         ids=["no-draft", "eagle3", "eagle3-untied-head", "no-draft-bf16-policy"])
 def test_pp2_update_matches_pp1_loss_and_all_gradients(tmp_path, draft):
     results = run_workers(_pp_matches_single, 2, draft, str(tmp_path), timeout=120)
     (m1, g1), _ = results[0]
