@@ -264,8 +264,10 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + head over residual-stream states [..., hidden], at the weights' precision also under a
         training forward's autocast (rl.policy_matmul_dtype): log-probs are RL's ratios and importance weights."""
-        with torch.autocast(hidden.device.type, enabled=False):
-            return self.lm_head(self.norm(hidden.to(self.norm.weight.dtype)))
+        if torch.is_autocast_enabled(hidden.device.type):  # a training forward's: the head runs outside it
+            with torch.autocast(hidden.device.type, enabled=False):
+                return self.logits(hidden.to(self.norm.weight.dtype))
+        return self.lm_head(self.norm(hidden))
 
     @staticmethod
     def _positions(
