@@ -238,7 +238,7 @@ class RLConfig:
     draft_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # draft's matmuls; auto: bf16 where native
     # the policy's training forward (its head stays at the weights' precision): 0.71-0.74x the update's time on this
     # project's AMX CPU; float32 (default) keeps its gradients, and layouts' match with one process, exact
-    policy_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "float32"
+    policy_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # policy's training matmuls, head excepted
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
     max_dropped_share: float = 0.5  # a step "trains nothing" when more than this share of samples has no reward
