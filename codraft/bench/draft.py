@@ -147,8 +147,7 @@ def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
     Steady proposals only: those that first absorbed a backlog (the prompt) are prefill-like work, as the
     target's prefill is not a decode step either."""
     stats = spec.stats
-    ks = [k for k in stats.k_chosen if k]
-    steady = len(ks) - stats.backlog_proposals
+    steady = stats.speculative_steps - stats.backlog_proposals
     if steady <= 0:
         return float("nan")
     decode_s = ar.stats.time_verify_s / max(ar.stats.target_forwards, 1)

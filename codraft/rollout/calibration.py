@@ -42,8 +42,11 @@ class DraftCalibration:
     def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
         """confidence [B, k] (each draft's own probability) -> estimated acceptance of each draft with those
         before it [B, k]."""
-        cumulative = confidence.float().cumprod(-1)
-        return self.table().to(confidence.device)[self.bucket(cumulative)]
+        return self.lookup(confidence.float().cumprod(-1), self.table())
+
+    def lookup(self, cumulative: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """`table`'s (a `table()` read earlier) estimate at each cumulative confidence."""
+        return table.to(cumulative.device)[self.bucket(cumulative)]
 
     def bucket(self, cumulative: torch.Tensor) -> torch.Tensor:
         """The bucket of each cumulative confidence (an index into `table()`)."""
@@ -53,7 +56,7 @@ class DraftCalibration:
         """confidence [B, k]; the first verified[b] drafts of row b were verified and accepted[b] accepted."""
         steps = torch.arange(confidence.shape[1], device=confidence.device)
         seen = steps < verified[:, None]
-        buckets = torch.bucketize(confidence.float().cumprod(-1)[seen], self.edges.to(confidence.device)).cpu()
+        buckets = self.bucket(confidence.float().cumprod(-1)[seen]).cpu()
         kept = (steps < accepted[:, None])[seen].double().cpu()
         trials = torch.bincount(buckets, minlength=len(PRIOR)).double()
         hits = torch.bincount(buckets, weights=kept, minlength=len(PRIOR))
@@ -90,4 +93,4 @@ class DraftStop:
             self.position_s.append(now - self.last_call)
         self.last_call = now
         ahead = confidence.float().prod(-1) * confidence[:, -1]  # the next draft's cumulative confidence [B]
-        return float(self.table.to(ahead.device)[self.calibration.bucket(ahead)].sum()) < self.min_accepted
+        return float(self.calibration.lookup(ahead, self.table).sum()) < self.min_accepted

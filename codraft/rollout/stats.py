@@ -47,9 +47,14 @@ class RolloutStats:
         return sum(self.k_chosen) / max(len(self.k_chosen), 1)
 
     @property
+    def speculative_steps(self) -> int:
+        """Verify steps that had drafts to verify (k > 0)."""
+        return sum(1 for k in self.k_chosen if k)
+
+    @property
     def drafts_per_step(self) -> float:
         """Positions drafted per speculative step, on average (at most its k: a chain draft may stop early)."""
-        return self.draft_positions / max(sum(1 for k in self.k_chosen if k), 1)
+        return self.draft_positions / max(self.speculative_steps, 1)
 
     @property
     def tokens_per_s(self) -> float:
