@@ -248,12 +248,16 @@ class RLConfig:
     # after the step's speculative rollout, plain decoding of its prompts to its row lengths is timed, outside
     # time/step_s (rollout/speedup.py); the cost: one plain rollout per measurement
     measure_speedup_every: int = 10  # steps between rollout/speedup_measured (steps N, 2N, ...); 0 = off
+    # the run's initial draft, never updated, scored beside the trained one on the step's batch (frozen_draft/*
+    # metrics, same tokens and policy; with a draft and rl.draft_weight > 0); the cost: one no-grad draft loss
+    frozen_draft_every: int = 0  # steps between frozen_draft/*, the initial draft's loss metrics (N, 2N, ...); 0 = off
 
     def validate(self) -> None:
         require(self.steps >= 1, "rl.steps", ">= 1", self.steps)
         require(self.drift_every >= 0, "rl.drift_every", ">= 0 (0 = off)", self.drift_every)
         require(self.measure_speedup_every >= 0, "rl.measure_speedup_every", ">= 0 (0 = off)",
                 self.measure_speedup_every)
+        require(self.frozen_draft_every >= 0, "rl.frozen_draft_every", ">= 0 (0 = off)", self.frozen_draft_every)
         require(self.drift_prompts >= 1, "rl.drift_prompts", ">= 1", self.drift_prompts)
         require(self.prompts_per_step >= 1, "rl.prompts_per_step", ">= 1", self.prompts_per_step)
         require(self.group_size >= 2, "rl.group_size", ">= 2 (advantages are relative to the group)", self.group_size)

@@ -16,7 +16,8 @@ resumes from its newest checkpoint.
 Outputs (bench.out_dir): e2e.json (every run's per-step metrics and the summary), e2e.md (the table) and
 e2e.png (reward, train/inference KL, acceptance length, rollout seconds and drift against step). After the runs,
 the drafts' acceptance at a fixed k against the policies the runs reached (bench/e2e_acceptance.py; in-run tau
-also moves with each controller's k) goes into e2e.json and a second table of e2e.md.
+also moves with each controller's k) goes into e2e.json and a table of e2e.md; with rl.frozen_draft_every, so
+does each co-trained draft against its initial draft on the same batches (bench/e2e_paired.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from codraft.bench.e2e_acceptance import acceptance_at_fixed_k, acceptance_table
+from codraft.bench.e2e_paired import paired_rows, paired_table
 from codraft.bench.report import machine, markdown_table, write_results
 from codraft.config import Config, ConfigError, config_to_dict, save_config, with_overrides
 from codraft.drafts.export import exported_family
@@ -213,7 +215,11 @@ def write_outputs(history: dict[str, list[dict]], variants: dict[str, list[str]]
     summary = summarize(history)
     payload = {"machine": machine(), "workload": workload(base), "variants": variants, "reward_test": REWARD_TEST,
                "summary": summary, "history": history, "acceptance_at_fixed_k": acceptance or []}
+    paired = paired_rows(history)
+    payload["trained_vs_initial_draft"] = paired
     markdown = table(summary, base)
+    if paired:
+        markdown += "\n" + paired_table(paired)
     if acceptance:
         markdown += "\n" + acceptance_table(acceptance, base)
     write_results(out_dir, "e2e", payload, markdown)

@@ -11,6 +11,7 @@ Interface (DESIGN.md "Contracts"):
 from __future__ import annotations
 
 from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -104,6 +105,14 @@ class DraftModel(nn.Module):
         self._head = head.detach() if head is not None else None
         self._head_module = (policy.lm_head,) if policy.lm_head is not None else ()
         return self
+
+    def frozen_copy(self) -> DraftModel:
+        """A copy of this draft's own weights and buffers, without gradients, that borrows the same policy weights
+        (the current policy's embedding and head, as this draft does): the never-updated control that
+        `rl.frozen_draft_every` scores beside the trained draft."""
+        borrowed = [t for t in (self._embed, self._head, *self._head_module) if t is not None]
+        copy = deepcopy(self, memo={id(t): t for t in borrowed})
+        return copy.requires_grad_(False)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         assert self._embed is not None, "call draft.attach(policy) first"

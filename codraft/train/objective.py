@@ -17,7 +17,9 @@ policy's; the ratio's old log-probs are the first pass's own (detached), kept pe
 optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-probs of the same tokens
 (train/reference.py: no gradient, computed once per update before the forward/backward) enter the k3 KL term
 (metric kl/ref); the draft's loss runs its matmuls under `rl.draft_matmul_dtype` (models/autocast.py), the RL
-loss never.
+loss never. Given a `frozen_draft` (the run's initial draft, never updated: rl.frozen_draft_every), its loss
+metrics on the same draft batch are logged beside the trained draft's as frozen_draft/*, without gradient: the
+two drafts scored on the same tokens of the same policy.
 """
 
 from __future__ import annotations
@@ -51,10 +53,13 @@ class JointObjective:
     """objective(m, logits, taps) -> microbatch m's share of the step's loss; accumulates metrics."""
 
     def __init__(self, rl: RLConfig, draft: DraftModel | None, microbatches: list[Microbatch],
-                 dims: ParallelDims | None = None, ref_logprobs: list[torch.Tensor] | None = None):
-        """`ref_logprobs`: [N, Lmax] per microbatch, the reference's (reference_logprobs); needed at rl.beta > 0."""
+                 dims: ParallelDims | None = None, ref_logprobs: list[torch.Tensor] | None = None,
+                 frozen_draft: DraftModel | None = None):
+        """`ref_logprobs`: [N, Lmax] per microbatch, the reference's (reference_logprobs); needed at rl.beta > 0.
+        `frozen_draft`: a draft scored beside `draft` on the same batches (metrics only)."""
         assert rl.beta == 0 or ref_logprobs is not None, "rl.beta > 0 needs the reference's log-probs"
         self.rl, self.draft, self.microbatches, self.ref_lp = rl, draft, microbatches, ref_logprobs
+        self.frozen_draft = frozen_draft
         self.w_rl = rl_weights(microbatches, rl.aggregation, dims)
         self.w_draft = rl_weights(microbatches, "token-mean", dims)
         self.old_lp: dict[int, torch.Tensor] = {}
@@ -88,8 +93,16 @@ class JointObjective:
         return loss
 
     def _draft_loss(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        batch = self.microbatches[m].view.draft_batch(taps, logits)
+        if self.frozen_draft is not None:  # first, on a forked RNG: both drafts draw the same anchors (DFlash,
+            # DSpark) and the trained draft's stream is what it is without the frozen one
+            cuda = [logits.device] if logits.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda), torch.no_grad(), \
+                    training_autocast(self.frozen_draft, self.rl.draft_matmul_dtype):
+                _, frozen = self.frozen_draft.loss(batch)
+            self._accumulate({frozen_name(k): v for k, v in frozen.items()}, self.w_draft[m])
         with training_autocast(self.draft, self.rl.draft_matmul_dtype):
-            loss, metrics = self.draft.loss(self.microbatches[m].view.draft_batch(taps, logits))
+            loss, metrics = self.draft.loss(batch)
         if not torch.isfinite(loss):  # a broken draft may cost acceptance, never the policy
             self.skipped_draft += 1
             return loss.new_zeros(())
@@ -99,3 +112,11 @@ class JointObjective:
     def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
         for k, v in metrics.items():
             self.metrics[k] += weight * v
+
+
+def frozen_name(metric: str) -> str:
+    """A draft loss metric's name for the frozen draft: draft/x -> frozen_draft/x, loss/draft[_y] ->
+    frozen_draft/loss[_y]."""
+    if metric.startswith("loss/draft"):
+        return "frozen_draft/loss" + metric.removeprefix("loss/draft")
+    return "frozen_draft/" + metric.removeprefix("draft/")

@@ -87,7 +87,12 @@ class Trainer:
         # rl.beta > 0: staged like the policy; copied before the policy's ring attention (it gets its own)
         self.reference = build_reference(cfg, self.policy, dims)
         self.stage = parallelize_policy(self.policy, dims)  # what this rank trains: the policy or its stage
-        parallelize_draft(self.draft, dims)
+        # rl.frozen_draft_every: the initial draft, never trained, scored beside the trained one where the draft's
+        # loss runs; copied here, before a resume loads the trained draft's weights
+        scored = self.draft is not None and cfg.rl.frozen_draft_every and cfg.rl.draft_weight > 0 and dims.is_last_stage
+        self.frozen_draft = self.draft.frozen_copy() if scored else None
+        for draft in (self.draft, self.frozen_draft):
+            parallelize_draft(draft, dims)
         self.view = batch_view(dims)
         if dims.dp > 1:
             self.task = ReplicaTask(self.task, dims.dp_rank, dims.dp)
@@ -233,7 +238,9 @@ class Trainer:
         if self.reference is not None:
             ref_lp = reference_logprobs(self.reference, mbs, ids, dims, rl.temperature)
         last = dims.is_last_stage
-        objective = JointObjective(rl, self.draft, mbs, dims, ref_lp) if last else None
+        every = rl.frozen_draft_every
+        frozen = self.frozen_draft if every and (self.step + 1) % every == 0 else None  # steps N, 2N, ...
+        objective = JointObjective(rl, self.draft, mbs, dims, ref_lp, frozen) if last else None
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:
             for _ in range(rl.optimizer_steps_per_batch):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from codraft.bench import e2e, e2e_acceptance
+from codraft.bench import e2e, e2e_acceptance, e2e_paired
 from codraft.bench.soak import deterministic
 from codraft.cli import main
 from codraft.config import DRAFT_FAMILIES, ConfigError, load_config, with_overrides
@@ -114,6 +114,19 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_trained_vs_initial_draft_pairs_the_second_half_s_scored_steps():
+    history = {"baseline": records(8), "eagle3": records(8)}
+    for step, trained, initial in ((2, 0.9, 0.9), (4, 0.4, 0.3), (6, 0.6, 0.5), (8, 0.7, 0.5)):
+        row = history["eagle3"][step - 1]
+        row |= {"draft/expected_accept_pos_0": trained, "frozen_draft/expected_accept_pos_0": initial,
+                "draft/acc_pos_0": 0.0, "frozen_draft/acc_pos_0": 1.0}  # not an expected acceptance: left out
+    (row,) = e2e_paired.paired_rows(history)
+    assert row["run"] == "eagle3" and row["metric"] == "expected_accept_pos_0" and row["steps"] == [6, 8]
+    assert (row["trained"], row["initial"], row["gain"]) == pytest.approx((0.65, 0.5, 0.15))
+    assert row["gain_se"] == pytest.approx(statistics.stdev([0.1, 0.2]) / math.sqrt(2))
+    assert "| eagle3 | expected_accept_pos_0 | 2 | 0.65 | 0.5 | 0.150 ± 0.050 |" in e2e_paired.paired_table([row])
+
+
 def tiny(tmp_path, *overrides: str):
     return load_config(None, [*TINY, *TINY_RL, "rl.steps=2", f"bench.out_dir={tmp_path}", "bench.e2e_eval_prompts=2",
                               "bench.e2e_eval_max_new_tokens=6", *overrides])
@@ -181,7 +194,7 @@ def test_variants_taking_turns_train_as_each_does_alone(tmp_path):
 
 
 def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path, monkeypatch):
-    cfg = tiny(tmp_path, "checkpoint.every=0", "rl.drift_every=1")
+    cfg = tiny(tmp_path, "checkpoint.every=0", "rl.drift_every=1", "rl.frozen_draft_every=1")
     payload = e2e.run_e2e_bench(cfg, tmp_path / "out", tmp_path / "runs")
     history = payload["history"]
     best = max(DRAFT_FAMILIES, key=lambda f: e2e.window_mean(history[f], "spec/acceptance_length", last=True))
@@ -189,6 +202,9 @@ def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path
     assert all([r["step"] for r in rows] == [1, 2] for rows in history.values())
     assert all("drift/kl_step0" in r and "kl/train_inference" in r for rows in history.values() for r in rows)
     assert "loss/draft" in history[best][0] and "loss/draft" not in history[f"frozen_{best}"][0]
+    # the co-trained runs score their initial draft beside the trained one; the frozen run has nothing to pair
+    assert {r["run"] for r in payload["trained_vs_initial_draft"]} == set(DRAFT_FAMILIES)
+    assert not any(k.startswith("frozen_draft/") for k in history[f"frozen_{best}"][1])
     assert by_run(payload["summary"])["baseline"]["rollout_speedup"] == 1.0
     assert {p.name for p in (tmp_path / "out").iterdir()} == {"e2e.json", "e2e.md", "e2e.png"}
     measured = [(r["policy"], r["draft"]) for r in payload["acceptance_at_fixed_k"]]
@@ -198,6 +214,7 @@ def test_bench_e2e_runs_every_variant_on_tiny_llama_then_skips_them_all(tmp_path
     assert all(r["tau_t0"] >= 1 and r["tau_t1"] >= 1 for r in payload["acceptance_at_fixed_k"])
     md = (tmp_path / "out" / "e2e.md").read_text()
     assert "| step 0 | eagle3 warm start |" in md and "Acceptance at fixed k = 7 (no controller)" in md
+    assert "| eagle3 | expected_accept_pos_0 | 1 |" in md and "Trained vs initial draft on the same batches" in md
     forbid_training(monkeypatch)
     with pytest.raises(ConfigError, match="^checkpoint.resume: bench e2e resumes each variant from its own run dir"):
         e2e.run_e2e_bench(with_overrides(cfg, [f"checkpoint.resume={tmp_path / 'runs' / 'eagle3'}"]),

@@ -96,7 +96,7 @@ def _train(rank: int, world_size: int, overrides: list[str]) -> int:
 
 @pytest.mark.parametrize("parallel", [["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"]], ids=["pp2", "pp2-cp2"])
 def test_codraft_train_pp2_writes_every_metric_of_a_pp1_run(tmp_path, parallel):
-    common = [*TINY, *EAGLE3_EXACT, "rl.steps=2"]
+    common = [*TINY, *EAGLE3_EXACT, "rl.steps=2", "rl.frozen_draft_every=1"]
     assert main(["train", *common, f"run.dir={tmp_path / 'pp1'}"]) == 0
     overrides = [*common, *parallel, f"run.dir={tmp_path / 'pp2'}"]
     world = 2 * (1 + ("parallel.cp=2" in parallel))
@@ -104,8 +104,10 @@ def test_codraft_train_pp2_writes_every_metric_of_a_pp1_run(tmp_path, parallel):
     rows = {pp: [json.loads(line) for line in (tmp_path / pp / "metrics.jsonl").read_text().splitlines()]
             for pp in ("pp1", "pp2")}
     assert [r["step"] for r in rows["pp2"]] == [1, 2]  # one writer
-    for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft"):  # step 1: the same rollout
-        assert rows["pp2"][0][key] == pytest.approx(rows["pp1"][0][key], rel=1e-4, abs=1e-6), key
+    for key in ("loss/policy", "loss/draft", "grad_norm/policy", "grad_norm/draft", "frozen_draft/loss"):
+        assert rows["pp2"][0][key] == pytest.approx(rows["pp1"][0][key], rel=1e-4, abs=1e-6), key  # same rollout
+    # the initial draft, scored on the last stage beside the trained one: the same weights at step 1
+    assert rows["pp2"][0]["frozen_draft/loss"] == pytest.approx(rows["pp2"][0]["loss/draft"], rel=1e-6)
     for r1, r2 in zip(rows["pp1"], rows["pp2"], strict=True):
         assert r2.keys() == r1.keys()
         assert r2["loss/policy"] is not None and r2["loss/draft"] is not None
