@@ -258,6 +258,10 @@ class RLConfig:
         require(self.measure_speedup_every >= 0, "rl.measure_speedup_every", ">= 0 (0 = off)",
                 self.measure_speedup_every)
         require(self.frozen_draft_every >= 0, "rl.frozen_draft_every", ">= 0 (0 = off)", self.frozen_draft_every)
+        # the logged pass of K > 1 comes after K - 1 updates of the trained draft on the batch it is scored on
+        require(not self.frozen_draft_every or self.optimizer_steps_per_batch == 1, "rl.frozen_draft_every",
+                "0 when rl.optimizer_steps_per_batch > 1 (the pair must be scored on a batch the trained draft has "
+                "not trained on)", self.frozen_draft_every)
         require(self.drift_prompts >= 1, "rl.drift_prompts", ">= 1", self.drift_prompts)
         require(self.prompts_per_step >= 1, "rl.prompts_per_step", ">= 1", self.prompts_per_step)
         require(self.group_size >= 2, "rl.group_size", ">= 2 (advantages are relative to the group)", self.group_size)

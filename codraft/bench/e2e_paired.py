@@ -1,7 +1,7 @@
 """The trained draft against the run's initial draft on the same batches (rl.frozen_draft_every).
 
 The frozen control of `bench e2e` is a run of its own: its sampled answers part ways with the co-trained run's
-from the first step, so its policy moves elsewhere (in one sitting the two reached drift 0.37 and 0.14) and its
+from the first step, so its policy moves elsewhere (in stop 41's sitting the two reached drift 0.37 and 0.14) and its
 controller chooses other k. A co-trained run that also scores its initial draft, never updated, on each
 measured step's batch compares the two drafts on the same tokens of the same policy: the per-step difference of
 their expected acceptance (the draft losses' `expected_accept*` metrics: sum_v min(p, q) at T=1, p the policy's
@@ -33,15 +33,20 @@ def paired_rows(history: dict[str, list[dict]]) -> list[dict]:
         picked = [r for r in scored if r["step"] > half]
         keys = sorted(k.removeprefix(PREFIX) for k in scored[-1] if k.startswith(PREFIX) and KEY.search(k))
         for key in keys:
-            trained = [r[f"draft/{key}"] for r in picked]
-            frozen = [r[PREFIX + key] for r in picked]
+            paired = [r for r in picked if _finite(r.get(f"draft/{key}")) and _finite(r.get(PREFIX + key))]
+            trained = [r[f"draft/{key}"] for r in paired]
+            frozen = [r[PREFIX + key] for r in paired]
             gain = [a - b for a, b in zip(trained, frozen, strict=True)]
             se = statistics.stdev(gain) / math.sqrt(len(gain)) if len(gain) >= 2 else None
-            out.append({"run": name, "metric": key, "steps": [r["step"] for r in picked],
-                        "trained": statistics.fmean(trained) if picked else math.nan,
-                        "initial": statistics.fmean(frozen) if picked else math.nan,
-                        "gain": statistics.fmean(gain) if picked else math.nan, "gain_se": se})
+            out.append({"run": name, "metric": key, "steps": [r["step"] for r in paired],
+                        "trained": statistics.fmean(trained) if paired else math.nan,
+                        "initial": statistics.fmean(frozen) if paired else math.nan,
+                        "gain": statistics.fmean(gain) if paired else math.nan, "gain_se": se})
     return out
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
 
 
 def paired_table(rows: list[dict]) -> str:

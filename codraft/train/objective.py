@@ -94,19 +94,21 @@ class JointObjective:
 
     def _draft_loss(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         batch = self.microbatches[m].view.draft_batch(taps, logits)
+        frozen = {}
         if self.frozen_draft is not None:  # first, on a forked RNG: both drafts draw the same anchors (DFlash,
-            # DSpark) and the trained draft's stream is what it is without the frozen one
+            # DSpark) and the trained draft's stream is what it is without the frozen one. Not under no_grad: it
+            # would switch the borrowed policy head to its packed inference copy (DraftModel.policy_head), another
+            # precision than the trained draft's; nothing here requires grad, so no graph is built.
             cuda = [logits.device] if logits.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda), torch.no_grad(), \
-                    training_autocast(self.frozen_draft, self.rl.draft_matmul_dtype):
+            with torch.random.fork_rng(devices=cuda), training_autocast(self.frozen_draft, self.rl.draft_matmul_dtype):
                 _, frozen = self.frozen_draft.loss(batch)
-            self._accumulate({frozen_name(k): v for k, v in frozen.items()}, self.w_draft[m])
         with training_autocast(self.draft, self.rl.draft_matmul_dtype):
             loss, metrics = self.draft.loss(batch)
         if not torch.isfinite(loss):  # a broken draft may cost acceptance, never the policy
             self.skipped_draft += 1
             return loss.new_zeros(())
-        self._accumulate(metrics, self.w_draft[m])
+        # the pair is logged only where the trained draft's metrics are: both over the same microbatches
+        self._accumulate(metrics | {frozen_name(k): v for k, v in frozen.items()}, self.w_draft[m])
         return loss
 
     def _accumulate(self, metrics: dict[str, float], weight: float) -> None:
