@@ -249,7 +249,7 @@ class RLConfig:
     # time/step_s (rollout/speedup.py); the cost: one plain rollout per measurement
     measure_speedup_every: int = 10  # steps between rollout/speedup_measured (steps N, 2N, ...); 0 = off
     # the run's initial draft, never updated, scored beside the trained one on the step's batch (frozen_draft/*
-    # metrics, same tokens and policy; with a draft and rl.draft_weight > 0); the cost: one no-grad draft loss
+    # metrics, same tokens and policy; with a draft and rl.draft_weight > 0); the cost: a draft loss without backward
     frozen_draft_every: int = 0  # steps between frozen_draft/*, the initial draft's loss metrics (N, 2N, ...); 0 = off
 
     def validate(self) -> None:
