@@ -1,17 +1,15 @@
 """Policy drift from step 0 (rl/drift.py): zero for the step-0 weights, the KL it names, wired into the trainer."""
 
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from codraft.cli import main
 from codraft.config import load_config
 from codraft.models import load_model
 from codraft.rl.drift import DriftProbe
 from codraft.train.trainer import Trainer
-from tests.train.test_trainer import TINY, deterministic, run_metrics
+from tests.train.test_trainer import TINY, deterministic, full_and_resumed
 
 PROMPTS = [[257, 10, 20, 30], [257, 40, 50, 60, 70, 80], [257, 90]]
 
@@ -91,11 +89,7 @@ def test_trainer_logs_drift_every_n_steps_without_changing_the_training(tmp_path
 
 
 def test_a_resumed_run_measures_drift_from_the_first_run_s_step0(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    common = [*TINY, "draft.family=none", "rl.drift_every=2", "rl.drift_prompts=2"]
-    assert main(["train", *common, "rl.steps=4", f"run.dir={full}"]) == 0
-    assert main(["train", *common, "rl.steps=2", f"run.dir={part}"]) == 0
-    assert main(["train", "--resume", str(part), "rl.steps=4"]) == 0
-    drift = [[m.get("drift/kl_step0") for m in run_metrics(d)] for d in (full, part)]
+    runs = full_and_resumed(tmp_path, [*TINY, "draft.family=none", "rl.drift_every=2", "rl.drift_prompts=2"])
+    drift = [[m.get("drift/kl_step0") for m in rows] for rows in runs]
     assert drift[0] == drift[1] and drift[0][1] > 0 and drift[0][3] > 0
-    assert json.loads((part / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    assert runs[1][-1]["step"] == 4

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
-from codraft.cli import main
 from codraft.config import ConfigError, load_config
 from codraft.train.objective import frozen_name
 from codraft.train.trainer import Trainer
-from tests.train.test_trainer import TINY, deterministic, run_metrics
+from tests.train.test_trainer import TINY, deterministic, full_and_resumed
 
 
 def frozen_metrics(m: dict) -> dict:
@@ -52,12 +51,7 @@ def test_the_frozen_draft_scores_as_the_trained_one_until_it_trains_and_changes_
 
 
 def test_the_frozen_draft_is_scored_every_n_steps_and_stays_the_initial_one_across_a_resume(tmp_path):
-    full, part = tmp_path / "full", tmp_path / "part"
-    common = [*TINY, "draft.family=eagle3", "rl.frozen_draft_every=2", "rl.drift_every=0"]
-    assert main(["train", *common, "rl.steps=4", f"run.dir={full}"]) == 0
-    assert main(["train", *common, "rl.steps=2", f"run.dir={part}"]) == 0
-    assert main(["train", "--resume", str(part), "rl.steps=4"]) == 0
-    runs = [run_metrics(d) for d in (full, part)]
+    runs = full_and_resumed(tmp_path, [*TINY, "draft.family=eagle3", "rl.frozen_draft_every=2", "rl.drift_every=0"])
     assert [bool(frozen_metrics(m)) for m in runs[0]] == [False, True, False, True]
     assert [frozen_metrics(m) for m in runs[0]] == [frozen_metrics(m) for m in runs[1]]
 
