@@ -1,5 +1,9 @@
 """`codraft bench draft`: a trained draft's acceptance on held-out task prompts and its rollout speedup.
 
+Held out: the prompts after the first draft_train.num_prompts of the task stream, or, for a loaded draft that
+records the prompts it was distilled on (`codraft_trained_on`) from this stream (task.*, run.seed), after those
+where they are more; a draft that records none is warned about (it may have learned from the bench's prompts).
+
 Acceptance: tau and per-position acceptance at k = 7 (EAGLE-3) or one block (DFlash/DSpark: block 8 => k = 7),
 greedy and at temperature 1, with the real rollout engine (stop tokens on, as in RL rollouts).
 Speedup: plain decoding against speculative decoding with the draft, adaptive k (what `generate` and `train`
@@ -31,11 +35,11 @@ from itertools import accumulate
 from typing import TypeVar
 
 from codraft.bench.report import interleaved, machine, markdown_table, median, write_results
-from codraft.config import DRAFT_FAMILIES, Config, ConfigError
-from codraft.distill.distill import split_prompts, start_distillation
+from codraft.config import DRAFT_FAMILIES, Config, ConfigError, with_overrides
+from codraft.distill.distill import distillation_prompts, split_prompts, start_distillation
 from codraft.drafts import DraftModel
 from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptance
-from codraft.drafts.export import check_family, load_draft
+from codraft.drafts.export import check_family, exported_trained_on, load_draft
 from codraft.models import Tokenizer, Transformer, load_policy
 from codraft.observability import progress
 from codraft.rollout import Rollout, RolloutStats, SpeculationController, generate
@@ -54,13 +58,36 @@ def bench_draft(cfg: Config) -> dict:
         raise ConfigError(f"bench draft measures on held-out generated prompts: task.kind must be arithmetic or "
                           f"chain (got {cfg.task.kind})")
     b = cfg.bench
+    if b.draft_path is not None:
+        cfg = past_training_prompts(cfg, b.draft_path)
     policy, tokenizer = load_policy(cfg)
     train_prompts, held_out = split_prompts(cfg, tokenizer, b.draft_prompts)
     draft, training = bench_subject(cfg, policy, tokenizer, train_prompts)
+    training |= {"task": cfg.task.kind, "held_out_after": cfg.draft_train.num_prompts}
     return run_draft_bench(policy, draft, held_out, k=eval_k(draft.cfg, cfg.draft_train.eval_k),
                            batch_sizes=b.batch_sizes, max_new_tokens=b.max_new_tokens, repeats=b.repeats,
-                           out_dir=b.out_dir, training=training | {"task": cfg.task.kind},
-                           stop_tokens=b.stop_tokens)
+                           out_dir=b.out_dir, training=training, stop_tokens=b.stop_tokens)
+
+
+def past_training_prompts(cfg: Config, draft_path: str) -> Config:
+    """`cfg` with draft_train.num_prompts raised to the prompts of this task stream the draft in `draft_path` was
+    distilled on, so that the held-out prompts (those after) are ones it never learned from."""
+    record, here = exported_trained_on(draft_path), distillation_prompts(cfg)
+    n = cfg.draft_train.num_prompts
+    if record is None:
+        log.warning("bench.draft_path %s does not record the prompts it was trained on: the held-out prompts are "
+                    "those after the first draft_train.num_prompts=%d of the task stream, held out only if it "
+                    "learned from no more of them", draft_path, n)
+        return cfg
+    if (record.get("task"), record.get("seed")) != (here["task"], here["seed"]):
+        log.info("bench.draft_path %s was distilled on another task stream (task.* or run.seed differ): held-out "
+                 "prompts are those after draft_train.num_prompts=%d of this one", draft_path, n)
+        return cfg
+    if record["num_prompts"] <= n:
+        return cfg
+    log.info("bench.draft_path %s was distilled on the first %d prompts of this task stream: held-out prompts are "
+             "those after them (draft_train.num_prompts=%d)", draft_path, record["num_prompts"], n)
+    return with_overrides(cfg, [f"draft_train.num_prompts={record['num_prompts']}"])
 
 
 def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
@@ -228,8 +255,9 @@ def tables(payload: dict) -> str:
              " ".join(f"{r:.2f}" for r in acceptance[f"temperature_{t:g}"]["accept_rate_per_position"])]
             for t in EVAL_TEMPERATURES]
     text = markdown_table(["temperature", "k", "tau", "acceptance per position"], rows)
-    task = payload["training"].get("task", "arithmetic")
-    text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out {task} prompts, " \
+    task, after = payload["training"].get("task", "arithmetic"), payload["training"].get("held_out_after")
+    held = f" (after the first {after} of the task stream)" if after is not None else ""
+    text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out {task} prompts{held}, " \
             f"{payload['max_new_tokens']} new tokens at most.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
     nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match

@@ -11,7 +11,7 @@ import json
 import logging
 
 from codraft.config import DRAFT_FAMILIES, Config, ConfigError
-from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
+from codraft.distill.distill import distillation_prompts, live_accuracy, split_prompts, start_distillation
 from codraft.drafts.evaluate import acceptance_metrics, eval_k, measure_acceptance
 from codraft.drafts.export import export_draft
 from codraft.host_memory import step_end
@@ -29,7 +29,7 @@ def main(cfg: Config) -> int:
     train_prompts, held_out = split_prompts(cfg, tokenizer, dt.held_out_prompts)
     run_dir = prepare_run_dir(cfg, "draft-train")  # once every input is read: a refused run leaves nothing behind
     distiller = start_distillation(cfg, policy, tokenizer, train_prompts)
-    draft = distiller.draft
+    draft, trained_on = distiller.draft, distillation_prompts(cfg)
     with MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) as metrics:
         bar = progress(range(1, dt.steps + 1), desc=f"draft-train {cfg.draft.family}")
         for step in bar:
@@ -39,8 +39,8 @@ def main(cfg: Config) -> int:
             bar.set_postfix({name: f"{v:.3f}" for name, v in live.items()})
             log.debug("step %d/%d  loss %.4f  acc %.3f", step, dt.steps, live["loss"], live["acc"])
             if dt.save_every and step % dt.save_every == 0 and step < dt.steps:
-                export_draft(draft, run_dir / "draft")
-        export_draft(draft, run_dir / "draft")
+                export_draft(draft, run_dir / "draft", trained_on)
+        export_draft(draft, run_dir / "draft", trained_on)
         k = eval_k(cfg.draft, dt.eval_k)
         results = measure_acceptance(policy, draft, held_out, k=k, max_new_tokens=dt.eval_max_new_tokens,
                                      seed=cfg.run.seed)

@@ -15,6 +15,8 @@ no-grad packed policy forward instead.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -42,6 +44,14 @@ def split_prompts(cfg: Config, tokenizer: Tokenizer, held_out: int) -> tuple[lis
                     "held-out prompts repeat training ones", len(task.problems), len(problems))
     ids = [build_prompt_ids(tokenizer, p, cfg.task.chat_template) for p in problems]
     return ids[: dt.num_prompts], ids[dt.num_prompts :]
+
+
+def distillation_prompts(cfg: Config) -> dict:
+    """Which prompts a draft distilled under `cfg` learned from: the first draft_train.num_prompts of the task stream
+    that task.* and run.seed define. Exported with the draft (`codraft_trained_on`), so `codraft bench draft` can
+    hold out the prompts after them."""
+    task = json.loads(json.dumps(dataclasses.asdict(cfg.task)))  # as config.json holds it (tuples become lists)
+    return {"task": task, "seed": cfg.run.seed, "num_prompts": cfg.draft_train.num_prompts}
 
 
 def _pack(prompts: list[list[int]], completions: list[list[int]], device: torch.device) -> PackedRollouts:

@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 
 from codraft.config import Config
-from codraft.distill.distill import live_accuracy, split_prompts, start_distillation
+from codraft.distill.distill import distillation_prompts, live_accuracy, split_prompts, start_distillation
 from codraft.distill.fingerprint import file_sha256, key_digest, weights_fingerprint
 from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel
@@ -145,11 +145,11 @@ def distil(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> DraftModel
     return distiller.draft
 
 
-def write_entry(entry: Path, key: dict, draft: DraftModel) -> None:
+def write_entry(entry: Path, key: dict, draft: DraftModel, trained_on: dict | None = None) -> None:
     """Export `draft` with its marker into a temporary sibling, sync it, then rename it over `entry`."""
     staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
-        out = export_draft(draft, staging / "draft")
+        out = export_draft(draft, staging / "draft", trained_on)
         files = {name: file_sha256(out / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
         (out / MARKER).write_text(json.dumps({"key": key, "files": files}, indent=2, sort_keys=True) + "\n")
         for f in out.iterdir():
@@ -173,7 +173,7 @@ def warm_start_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> 
         log.log(logging.INFO if why == NO_ENTRY else logging.WARNING,
                 "warm start: %s in %s: distilling a %s draft (draft_train.num_prompts=%d, draft_train.steps=%d)",
                 why, entry, cfg.draft.family, cfg.draft_train.num_prompts, cfg.draft_train.steps)
-        write_entry(entry, key, distil(cfg, policy, tokenizer))
+        write_entry(entry, key, distil(cfg, policy, tokenizer), distillation_prompts(cfg))
         draft, why = read_entry(entry, key, policy, cfg.draft.family)
         assert draft is not None, f"the draft just written to {entry} does not read back: {why}"
         log.info("warm start: cached the distilled %s draft in %s", cfg.draft.family, entry)

@@ -1,9 +1,11 @@
 """Export a draft to a directory (config.json + model.safetensors) and load it back.
 
 The directory is what a serving engine loads (EAGLE-3: SGLang/vLLM
-`LlamaForCausalLMEagle3`), plus two keys of codraft's own: `codraft_family`
-(which class rebuilds it) and `codraft_config` (the DraftConfig it was trained
-with). Configs written by other tools are recognised by `architectures[0]`.
+`LlamaForCausalLMEagle3`), plus keys of codraft's own: `codraft_family`
+(which class rebuilds it), `codraft_config` (the DraftConfig it was trained
+with) and, for a distilled draft, `codraft_trained_on` (the task prompts it
+learned from: distill.distillation_prompts). Configs written by other tools are
+recognised by `architectures[0]`.
 
 Contract for a draft family (register it with `register_family`):
     draft.export_config() -> dict
@@ -49,15 +51,18 @@ def register_family(name: str, cls: type[DraftModel], architectures: tuple[str, 
         ARCHITECTURES[arch] = name
 
 
-def export_draft(draft: DraftModel, out_dir: str | Path) -> Path:
+def export_draft(draft: DraftModel, out_dir: str | Path, trained_on: dict | None = None) -> Path:
     """Write `out_dir` atomically: built in a temporary sibling, then renamed into place
-    (an existing directory is replaced; readers never see a half-written one)."""
+    (an existing directory is replaced; readers never see a half-written one). `trained_on`: the prompts a
+    distilled draft learned from, kept as `codraft_trained_on`."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = draft.export_config() | {
         "codraft_family": draft.family,
         "codraft_config": dataclasses.asdict(draft.cfg),
     }
+    if trained_on is not None:
+        config["codraft_trained_on"] = trained_on
     state = {name: t.detach().cpu().contiguous() for name, t in draft.export_state_dict().items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -92,6 +97,11 @@ def exported_family(path: str | Path) -> str | None:
     """The draft family an exported draft directory holds, from its config (None: no known family named)."""
     config = json.loads((Path(path) / CONFIG_FILE).read_text())
     return config.get("codraft_family") or ARCHITECTURES.get((config.get("architectures") or [None])[0])
+
+
+def exported_trained_on(path: str | Path) -> dict | None:
+    """The prompts an exported draft records it was distilled on (None: it records none)."""
+    return json.loads((Path(path) / CONFIG_FILE).read_text()).get("codraft_trained_on")
 
 
 def load_draft(path: str | Path, policy: Transformer) -> DraftModel:

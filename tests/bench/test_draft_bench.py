@@ -1,14 +1,17 @@
 """`codraft bench draft`: acceptance and speedup of a draft, trained on the spot or loaded, in JSON and Markdown."""
 
 import json
+import logging
 
 import pytest
 
-from codraft.bench.draft import prompt_groups, run_draft_bench, speed_runs
+from codraft.bench.draft import past_training_prompts, prompt_groups, run_draft_bench, speed_runs
 from codraft.bench.report import interleaved, median
 from codraft.cli import main
-from codraft.config import DraftConfig
+from codraft.config import DraftConfig, load_config
+from codraft.distill.distill import distillation_prompts
 from codraft.drafts import build_draft
+from codraft.drafts.export import export_draft, exported_trained_on
 from tests.rollout.conftest import tiny_model
 from tests.rollout.test_engine import PROMPTS
 
@@ -36,10 +39,32 @@ def test_bench_draft_loads_a_draft_dir_and_checks_its_family(tmp_path, capsys):
                  f"run.dir={run}"]) == 0
     assert main(["bench", "draft", *TINY, f"bench.draft_path={run / 'draft'}", f"bench.out_dir={tmp_path}"]) == 0
     training = json.loads((tmp_path / "draft_eagle3.json").read_text())["training"]
-    assert training == {"draft_path": str(run / "draft"), "task": "arithmetic"}
+    assert exported_trained_on(run / "draft") == distillation_prompts(load_config(None, TINY))
+    assert training == {"draft_path": str(run / "draft"), "task": "arithmetic", "held_out_after": 8}
     capsys.readouterr()
     assert main(["bench", "draft", *TINY, f"bench.draft_path={run / 'draft'}", "draft.family=dspark"]) == 2
     assert "holds a eagle3 draft but draft.family=dspark" in capsys.readouterr().err
+
+
+def test_bench_draft_holds_out_the_prompts_after_those_the_draft_was_distilled_on(tmp_path, caplog):
+    """A draft distilled on the first 8 prompts of the stream is benched on prompts after them, not after the 4 of
+    the bench's own draft_train.num_prompts; the record counts only for the same stream (task.*, run.seed)."""
+    distilled = load_config(None, [*TINY, "draft_train.num_prompts=8"])
+    draft = build_draft(DraftConfig(family="eagle3", draft_vocab_size=0), tiny_model())
+    recorded = export_draft(draft, tmp_path / "recorded", distillation_prompts(distilled))
+    unrecorded = export_draft(draft, tmp_path / "unrecorded")
+    assert exported_trained_on(recorded)["num_prompts"] == 8 and exported_trained_on(unrecorded) is None
+
+    bench = load_config(None, [*TINY, "draft_train.num_prompts=4"])
+    assert past_training_prompts(bench, str(recorded)).draft_train.num_prompts == 8
+    more = load_config(None, [*TINY, "draft_train.num_prompts=12"])
+    assert past_training_prompts(more, str(recorded)).draft_train.num_prompts == 12
+    for other in ("run.seed=1", "task.max_operand=5"):  # another stream: its first 8 prompts are not these
+        other_stream = load_config(None, [*TINY, "draft_train.num_prompts=4", other])
+        assert past_training_prompts(other_stream, str(recorded)).draft_train.num_prompts == 4
+    with caplog.at_level(logging.WARNING):
+        assert past_training_prompts(bench, str(unrecorded)).draft_train.num_prompts == 4
+    assert "does not record the prompts it was trained on" in caplog.text
 
 
 def test_bench_draft_on_the_chain_task_with_stop_tokens(tmp_path):

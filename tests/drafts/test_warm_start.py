@@ -10,8 +10,9 @@ import torch
 from codraft.cli import main
 from codraft.config import ConfigError, load_config
 from codraft.distill import warm_start
+from codraft.distill.distill import distillation_prompts
 from codraft.drafts import build_draft
-from codraft.drafts.export import WEIGHTS_FILE, load_draft
+from codraft.drafts.export import WEIGHTS_FILE, exported_trained_on, load_draft
 from codraft.models import Transformer, load_policy
 from codraft.models.linear import bf16_packing_available
 from codraft.train.checkpoint import load_checkpoint
@@ -82,6 +83,7 @@ def test_a_miss_distils_and_caches_then_a_hit_loads_the_same_draft(distillations
     assert distillations == [family] and not warnings(caplog)  # a hit: nothing distilled, nothing to warn about
     assert same_weights(first, second) and second.family == family
     assert same_weights(second, load_draft(entry, policy))  # the entry is an exported draft any loader reads
+    assert exported_trained_on(entry) == distillation_prompts(cfg)  # so bench draft holds out the prompts after
 
 
 def test_the_key_follows_what_the_draft_depends_on(distillations):
