@@ -19,7 +19,9 @@ pays one-off costs, so a shape's first timing only stands until its second);
 acceptance starts from a weak prior (0.3, worth one observation) that only ever
 buys a probe, so a useless draft is found out in a step; while off, probes come
 at growing intervals (8, 16, ... 64 steps) and at the start of every generate
-call, so a draft that got better is noticed at a bounded cost. A probe drafts
+call, so a draft that got better is noticed at a bounded cost; a call that follows
+one which ended off (on its hardest text: rows past their answers) starts from
+acceptance over the last `call_memory` row observations (`new_batch`). A probe drafts
 max_k tokens on its first `probe_rows` rows only (the others ride in its forward
 at the cost of decoding): it samples acceptance at every position, and where
 the batch has no more rows than that it times the longest verify shape, whose
