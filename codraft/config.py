@@ -330,7 +330,7 @@ class BenchConfig:
     num_speculative_tokens: int = 4
     seq_lens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])  # bench attention
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
-    draft_prompts: int = 16  # bench draft: held-out task prompts, after those its draft learned from (codraft_trained_on)
+    draft_prompts: int = 16  # bench draft: held-out task prompts, after the ones the draft was distilled on
     stop_tokens: bool = False  # bench draft speed runs: rows end at EOS as in RL rollouts (else all emit max tokens)
     soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
     e2e_families: list[str] = field(default_factory=lambda: list(DRAFT_FAMILIES))  # bench e2e: co-trained runs
