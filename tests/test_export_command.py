@@ -8,7 +8,7 @@ import torch
 from codraft.cli import main
 from codraft.config import load_config
 from codraft.drafts import build_draft
-from codraft.drafts.export import load_draft
+from codraft.drafts.export import exported_trained_on, load_draft
 from codraft.models import load_policy
 from codraft.rollout import generate
 from codraft.train.checkpoint import load_checkpoint
@@ -44,7 +44,7 @@ def test_export_from_a_train_run_loads_back_to_identical_proposals(tmp_path, fam
     assert main(["train", *TINY_TRAIN, f"draft.family={family}", f"run.dir={run}"]) == 0
     assert main(["export-draft", f"export.source={run}"]) == 0
     config = json.loads((run / "export" / "config.json").read_text())
-    assert config["codraft_family"] == family
+    assert config["codraft_family"] == family and "codraft_trained_on" not in config  # it learned from rollouts too
     run_cfg = load_config(run / "config.yaml", [])
     policy, tokenizer = load_policy(run_cfg)
     original = build_draft(run_cfg.draft, policy, tokenizer)
@@ -62,6 +62,8 @@ def test_export_of_a_draft_train_run_and_of_a_draft_dir_load_back_identically(tm
     original = load_draft(run / "draft", policy)
     assert_same_draft(policy, original, load_draft(out, policy))
     assert_same_draft(policy, original, load_draft(again, policy))
+    recorded = exported_trained_on(run / "draft")
+    assert recorded["num_prompts"] == 8 and exported_trained_on(out) == exported_trained_on(again) == recorded
 
 
 def test_export_errors_are_one_line_with_exit_code_2(tmp_path, capsys):

@@ -72,16 +72,15 @@ def bench_draft(cfg: Config) -> dict:
 def past_training_prompts(cfg: Config, draft_path: str) -> Config:
     """`cfg` with draft_train.num_prompts raised to the prompts of this task stream the draft in `draft_path` was
     distilled on, so that the held-out prompts (those after) are ones it never learned from."""
-    record, here = exported_trained_on(draft_path), distillation_prompts(cfg)
-    n = cfg.draft_train.num_prompts
-    if record is None:
+    record, n = exported_trained_on(draft_path), cfg.draft_train.num_prompts
+    if not isinstance(record, dict) or not isinstance(record.get("num_prompts"), int):
         log.warning("bench.draft_path %s does not record the prompts it was trained on: the held-out prompts are "
                     "those after the first draft_train.num_prompts=%d of the task stream, held out only if it "
                     "learned from no more of them", draft_path, n)
         return cfg
-    if (record.get("task"), record.get("seed")) != (here["task"], here["seed"]):
-        log.info("bench.draft_path %s was distilled on another task stream (task.* or run.seed differ): held-out "
-                 "prompts are those after draft_train.num_prompts=%d of this one", draft_path, n)
+    if record.get("stream") != distillation_prompts(cfg)["stream"]:
+        log.warning("bench.draft_path %s was distilled on another task stream (%s): the held-out prompts are those "
+                    "after draft_train.num_prompts=%d of this one", draft_path, record.get("stream"), n)
         return cfg
     if record["num_prompts"] <= n:
         return cfg

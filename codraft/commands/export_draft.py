@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from codraft.config import Config, ConfigError, load_config
 from codraft.drafts import DraftModel, build_draft
-from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, is_draft_dir, read_draft
+from codraft.drafts.export import CONFIG_FILE, check_family, export_draft, exported_trained_on, is_draft_dir, read_draft
 from codraft.models import load_policy
 from codraft.train.checkpoint import latest_checkpoint
 
@@ -36,7 +36,7 @@ def main(cfg: Config) -> int:
     draft = load_source(source, cfg)
     if e.family != "any":
         check_family(draft, "export.source", "export.family", e.family)
-    out = export_draft(draft, Path(e.out_dir) if e.out_dir is not None else source / "export")
+    out = export_draft(draft, Path(e.out_dir) if e.out_dir is not None else source / "export", source_record(source))
     log.info("exported the %s draft of %s to %s", draft.family, source, out)
     return 0
 
@@ -50,6 +50,15 @@ def load_source(source: Path, cfg: Config) -> DraftModel:
         return load_train_run(source, run_config(source))
     raise ConfigError(f"export.source: '{source}' is neither a run dir (with checkpoints/ or draft/) "
                       f"nor an exported draft dir (with {CONFIG_FILE})")
+
+
+def source_record(source: Path) -> dict | None:
+    """The prompts a draft dir (or a draft-train run's draft/) records it was distilled on, kept in the export; a
+    train run's draft records none (it went on learning from the run's rollouts)."""
+    for path in (source, source / "draft"):
+        if is_draft_dir(path):
+            return exported_trained_on(path)
+    return None
 
 
 def run_config(run_dir: Path) -> Config:

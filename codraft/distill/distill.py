@@ -15,8 +15,6 @@ no-grad packed policy forward instead.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -30,7 +28,7 @@ from codraft.models import Tokenizer, Transformer
 from codraft.models.autocast import training_autocast
 from codraft.observability import progress
 from codraft.rl.batch import PackedRollouts, pack_rollouts, whole_view
-from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task
+from codraft.rl.tasks import JsonlTask, build_prompt_ids, build_task, task_stream
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +45,10 @@ def split_prompts(cfg: Config, tokenizer: Tokenizer, held_out: int) -> tuple[lis
 
 
 def distillation_prompts(cfg: Config) -> dict:
-    """Which prompts a draft distilled under `cfg` learned from: the first draft_train.num_prompts of the task stream
-    that task.* and run.seed define. Exported with the draft (`codraft_trained_on`), so `codraft bench draft` can
-    hold out the prompts after them."""
-    task = json.loads(json.dumps(dataclasses.asdict(cfg.task)))  # as config.json holds it (tuples become lists)
-    return {"task": task, "seed": cfg.run.seed, "num_prompts": cfg.draft_train.num_prompts}
+    """Which prompts a draft distilled under `cfg` learned from: the first draft_train.num_prompts of its task stream
+    (rl.tasks.task_stream). Exported with the draft (`codraft_trained_on`), so `codraft bench draft` can hold out
+    the prompts after them."""
+    return {"stream": task_stream(cfg), "num_prompts": cfg.draft_train.num_prompts}
 
 
 def _pack(prompts: list[list[int]], completions: list[list[int]], device: torch.device) -> PackedRollouts:

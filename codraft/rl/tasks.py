@@ -260,6 +260,21 @@ class ChainTask(IndexedTask):
         return Problem(prompt, str(total), steps=tuple(steps))
 
 
+def task_stream(cfg: Config) -> dict:
+    """What decides the problems `build_task(cfg)` draws, in order: the fields it reads for task.kind, and run.seed
+    (not task.reward or task.chat_template, which change how a problem is scored or shown, not which it is)."""
+    t = cfg.task
+    if t.kind == "chain":
+        fields = dict(min_operand=t.min_operand, max_operand=t.max_operand, chain_min_terms=t.chain_min_terms,
+                      chain_max_terms=t.chain_max_terms, operators=t.operators)
+    elif t.kind == "jsonl":
+        fields = dict(path=str(Path(t.path).resolve()))
+    else:
+        fields = dict(min_operand=t.min_operand, max_operand=t.max_operand, num_terms=t.num_terms,
+                      operators=t.operators)
+    return {"kind": t.kind, **fields, "seed": cfg.run.seed}
+
+
 def build_task(cfg: Config) -> IndexedTask:
     t = cfg.task
     if t.kind == "chain":

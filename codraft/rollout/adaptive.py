@@ -20,8 +20,8 @@ acceptance starts from a weak prior (0.3, worth one observation) that only ever
 buys a probe, so a useless draft is found out in a step; while off, probes come
 at growing intervals (8, 16, ... 64 steps) and at the start of every generate
 call, so a draft that got better is noticed at a bounded cost; a call that follows
-one which ended off (on its hardest text: rows past their answers) starts from
-acceptance over the last `call_memory` row observations (`new_batch`). A probe drafts
+one which ended off (on its hardest text: rows past their answers) starts from that
+call's acceptance over all its steps (`new_batch`). A probe drafts
 max_k tokens on its first `probe_rows` rows only (the others ride in its forward
 at the cost of decoding): it samples acceptance at every position, and where
 the batch has no more rows than that it times the longest verify shape, whose
@@ -170,13 +170,6 @@ def update_ema(table: dict, key, value: float, weight: float = 0.3) -> None:
     table[key] = value if old is None else (1 - weight) * old + weight * value
 
 
-def faded(hits: float, trials: float, accepted: int, reached: int, memory: float) -> tuple[float, float]:
-    """Discounted (hits, trials) with a step's `accepted` of `reached` rows added, scaled to about the last
-    `memory` row observations."""
-    fade = min(1.0, memory / (trials + reached)) if reached else 1.0
-    return fade * (hits + accepted), fade * (trials + reached)
-
-
 def laggard_z(n: int) -> float:
     """E[max of n standard normals], Blom's approximation (1.03 / 1.42 / 2.04 for 4 / 8 / 32; 0 for one)."""
     return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
@@ -186,8 +179,7 @@ class SpeculationController:
     """Chooses k in [0, max_k] before each verify step; keep one across generate calls to keep what it learned."""
 
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
-                 call_memory: float = 512.0, probe_k: int | None = None, probe_rows: int = 4, first_probe: int = 8,
-                 max_probe_interval: int = 64,
+                 probe_k: int | None = None, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, truncate: bool = False, draft_prior: float = 0.05,
                  probe_budget: float = 0.02, draft_stop: bool = True):
         if probe_rows < 1:
@@ -200,10 +192,9 @@ class SpeculationController:
         self.prior, self.prior_weight, self.memory = prior, prior_weight, memory
         self.hits = [0.0] * max_k  # discounted accepted counts per position
         self.trials = [0.0] * max_k  # discounted reached counts per position
-        # the same over about the last `call_memory` row observations: what a new call starts from (new_batch)
-        self.call_memory = call_memory
-        self.long_hits = [0.0] * max_k
-        self.long_trials = [0.0] * max_k
+        # the same over all of the current call's steps, undiscounted: where the next call may start (new_batch)
+        self.call_hits = [0.0] * max_k
+        self.call_trials = [0.0] * max_k
         self.cost = VerifyCostModel()
         self.draft_s: dict[int, float] = {}  # k -> EMA of the draft's seconds for one proposal
         # until a steady proposal is timed, a drafted token costs this share of a decode step (issue 11's budget for
@@ -225,7 +216,7 @@ class SpeculationController:
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
         self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
-        self.off = False  # the last choice found no k that pays (probes and plain refresh steps aside)
+        self.off = False  # the last choice was off or a probe (a plain step that re-times decode counts as on)
         # rows -> a probe's seconds beyond a plain step, in decode steps (EMA). At batch 32 a probe's 36-row forward
         # reads the bf16 weights twice and its draft absorbs 4 prompts: with three probes in a 47-step call and no
         # other speculation, a call took 1.06x plain decoding's time (in-process A/B). Probes come at most once in
@@ -259,16 +250,19 @@ class SpeculationController:
         A call that ended with speculation off ended on its hardest text (rows past their answers), and an
         acceptance estimate frozen there kept speculation off into the next call's fresh answers until a probe was
         due (EAGLE-3 at batch 4, T=1: off for 90 of ~160 steps, 1.03x plain decoding where fixed k = 2 ran 1.22x).
-        So after such a call acceptance starts from its estimate over the last `call_memory` row observations,
-        weighted as `memory` of them. After a call that ended speculating it stays as it is: starting every call
-        from the long estimate held positions a short k never reaches at their older, lower rates (batch 1, T=1:
-        k = 2 for 96 steps, 1.47x, where the estimate as it was ran k = 3 at 1.59x)."""
+        So after such a call acceptance starts from that call's acceptance over all its steps, weighted as at most
+        `memory` observations: a draft that stopped being accepted is not revived by an older history (its last
+        call's average already holds what it missed), while one that met hard text at the end of good answers
+        starts the next call on. After a call that ended speculating the estimate stays as it is: starting every
+        call from a longer history held the positions a short k never reaches at their older, lower rates (batch 1,
+        T=1: k = 2 for 96 steps, 1.47x, where the estimate as it was ran k = 3 at 1.59x)."""
         self.by_stop = self.draft_stop and stops_early
         if self.off:
-            for i, n in enumerate(self.long_trials):
+            for i, n in enumerate(self.call_trials):
                 if n:
                     weight = min(1.0, self.memory / n)
-                    self.hits[i], self.trials[i] = weight * self.long_hits[i], weight * n
+                    self.hits[i], self.trials[i] = weight * self.call_hits[i], weight * n
+        self.call_hits, self.call_trials = [0.0] * self.max_k, [0.0] * self.max_k
         if self.steps_off >= self.probe_wait(rows):
             self.steps_off = max(self.steps_off, self.probe_interval - 1)
 
@@ -443,9 +437,11 @@ class SpeculationController:
         the proposal, None when it absorbed a backlog (its time is not the steady cost of drafting). fed: tokens
         the verify forward ran (default: all rows x (k + 1)), which key its time in the cost model per row."""
         for i in range(min(k, self.max_k)):
-            self.hits[i], self.trials[i] = faded(self.hits[i], self.trials[i], accepted[i], reached[i], self.memory)
-            self.long_hits[i], self.long_trials[i] = faded(self.long_hits[i], self.long_trials[i], accepted[i],
-                                                           reached[i], self.call_memory)
+            fade = min(1.0, self.memory / (self.trials[i] + reached[i])) if reached[i] else 1.0
+            self.hits[i] = fade * (self.hits[i] + accepted[i])
+            self.trials[i] = fade * (self.trials[i] + reached[i])
+            self.call_hits[i] += accepted[i]
+            self.call_trials[i] += reached[i]
         fed = rows * (k + 1) if fed is None else fed
         # ragged forwards too. Priced from whole shapes only, the n-gram drafter's steps at batch 8 (rows with and
         # without drafts) never re-timed a multi-token forward: one 2-token forward's 51.2 ms stood against a decode

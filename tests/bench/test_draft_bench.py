@@ -59,9 +59,12 @@ def test_bench_draft_holds_out_the_prompts_after_those_the_draft_was_distilled_o
     assert past_training_prompts(bench, str(recorded)).draft_train.num_prompts == 8
     more = load_config(None, [*TINY, "draft_train.num_prompts=12"])
     assert past_training_prompts(more, str(recorded)).draft_train.num_prompts == 12
-    for other in ("run.seed=1", "task.max_operand=5"):  # another stream: its first 8 prompts are not these
+    for other in ("run.seed=1", "task.max_operand=5", "task.kind=chain"):  # another stream: other first 8 prompts
         other_stream = load_config(None, [*TINY, "draft_train.num_prompts=4", other])
         assert past_training_prompts(other_stream, str(recorded)).draft_train.num_prompts == 4
+    for same in ("task.reward=final_answer", "task.chat_template=false", "task.chain_max_terms=6"):  # how, not which
+        same_stream = load_config(None, [*TINY, "draft_train.num_prompts=4", same])
+        assert past_training_prompts(same_stream, str(recorded)).draft_train.num_prompts == 8
     with caplog.at_level(logging.WARNING):
         assert past_training_prompts(bench, str(unrecorded)).draft_train.num_prompts == 4
     assert "does not record the prompts it was trained on" in caplog.text

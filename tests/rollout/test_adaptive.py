@@ -70,7 +70,7 @@ def test_probes_that_cost_a_decode_step_come_once_in_fifty_steps_off_even_at_the
             if c.probing:
                 probes.append(48 * call + step)
                 c.observe_probe(32, 0.10)
-            c.observe(k, [32] * k, [0] * k, 32, verify_s=0.05 * (1 + k), draft_s=None)  # k + 1 tokens: 1 + k steps
+            c.observe(k, [32] * k, [0] * k, 32, verify_s=0.05, draft_s=None)
     assert len(probes) >= 4 and min(b - a for a, b in zip(probes[:-1], probes[1:], strict=True)) >= 50, probes
     cheap = controller_with_costs(decode_s=0.05, extra_per_token=1.0, rows=32)
     observe_acceptance(cheap, 0.3, rows=32, steps=4, k=1)
@@ -236,24 +236,33 @@ def next_choice(c: SpeculationController, rows: int) -> int:
     return k
 
 
-def test_a_new_call_starts_from_acceptance_over_several_calls_not_from_the_last_ones_end():
-    """A call's last steps are its hardest text (rows past their answers). An estimate frozen there kept batch 4
-    off into the next call's fresh answers until a probe was due; after a call that ended off, a new call starts
-    from the draft's acceptance over its last `call_memory` row observations instead."""
-    def after_a_hard_end(call_memory: float) -> SpeculationController:
-        c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=4)
-        c.call_memory = call_memory
-        observe_acceptance(c, 0.7, rows=4, steps=60, k=2)  # answers the draft predicts
-        assert next_choice(c, 4) > 0
-        assert steps_until_off(c, rows=4, rate=0.0, k=2) <= 16  # past them, within the call
-        assert c.choose(4) == 0 and not c.probing
-        c.new_batch(4)
-        return c
+def speculative_steps(c: SpeculationController, rows: int, rate: float, steps: int) -> int:
+    """One call of `steps` steps at acceptance `rate` (every position): how many were speculative, probes aside."""
+    c.new_batch(rows)
+    on = 0
+    for _ in range(steps):
+        k = c.choose(rows)
+        if k:
+            on += not c.probing
+            observe_acceptance(c, rate, rows=rows, steps=1, k=k)
+        else:
+            c.observe(0, [], [], rows, verify_s=c.cost(rows, 1), draft_s=None)
+    return on
 
-    c = after_a_hard_end(call_memory=512)
+
+def test_a_call_after_one_that_ended_off_starts_from_that_calls_whole_acceptance():
+    """A call's last steps are its hardest text (rows past their answers). An estimate frozen there kept batch 4
+    off into the next call's fresh answers until a probe was due; after a call that ended off, the next starts
+    from the acceptance of all of that call's steps."""
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=4)
+    c.new_batch(4)
+    observe_acceptance(c, 0.7, rows=4, steps=30, k=2)  # answers the draft predicts
+    assert next_choice(c, 4) > 0
+    assert steps_until_off(c, rows=4, rate=0.0, k=2) <= 16  # past them, within the call
+    assert c.choose(4) == 0 and not c.probing
+    c.new_batch(4)
     assert next_choice(c, 4) > 0 and not c.probing  # speculating from the first steps of the new call
-    frozen = after_a_hard_end(call_memory=32)  # the new call starts from the last one's end
-    assert next_choice(frozen, 4) == 0 or frozen.probing
+
     on = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=4)
     observe_acceptance(on, 0.9, rows=4, steps=60, k=2)
     observe_acceptance(on, 0.6, rows=4, steps=10, k=2)
@@ -261,6 +270,17 @@ def test_a_new_call_starts_from_acceptance_over_several_calls_not_from_the_last_
     before = on.accept
     on.new_batch(4)
     assert on.accept == before  # a call that ended speculating: its estimate stands (positions k never reaches too)
+
+
+def test_a_draft_that_stops_being_accepted_is_not_revived_at_each_call():
+    """Verification as cheap as decoding, so any acceptance pays: after good calls the draft accepts nothing.
+    The call it died in speculates until its estimate falls; the calls after it start from that call's
+    average and stay off (probes aside)."""
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.0, rows=4)
+    assert speculative_steps(c, 4, rate=0.8, steps=48) > 40
+    died_in = speculative_steps(c, 4, rate=0.0, steps=48)
+    assert 0 < died_in <= 16
+    assert [speculative_steps(c, 4, rate=0.0, steps=48) for _ in range(4)] == [0, 0, 0, 0]
 
 
 def test_only_a_probe_is_marked_as_probing():
