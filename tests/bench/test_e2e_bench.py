@@ -3,8 +3,10 @@ skip of a completed variant, the resume of an interrupted one, a 2-step run of e
 the drafts' acceptance at fixed k against the final policies (bench/e2e_acceptance.py)."""
 
 import json
+import logging
 import math
 import os
+import shutil
 import signal
 import statistics
 from pathlib import Path
@@ -227,7 +229,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_fixed_k_acceptance_measures_each_runs_final_policy_and_draft_and_the_warm_start_beside_them(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, caplog):
     cfg = tiny(tmp_path, "checkpoint.every=0", "draft.family=eagle3", "optim.lr=1e-2")
     runs = {"eagle3": (cfg, tmp_path / "eagle3"),
             "frozen_eagle3": (with_overrides(cfg, ["rl.draft_weight=0"]), tmp_path / "frozen")}
@@ -258,6 +260,11 @@ def test_fixed_k_acceptance_measures_each_runs_final_policy_and_draft_and_the_wa
     assert same(frozen_policy, frozen.policy.state_dict()) and same(frozen_draft, warm)  # never updated
     assert not same(policy, step0) and not same(draft, warm)  # both moved in the co-trained run
     assert "| eagle3 final | eagle3 warm start | 1.5 | 1.5 | 0.5 | 0.5 |" in e2e_acceptance.acceptance_table(rows, cfg)
+    shutil.rmtree(tmp_path / "frozen" / "checkpoints")  # read back later, its checkpoints removed: left out, no crash
+    with caplog.at_level(logging.WARNING):
+        rows = e2e_acceptance.acceptance_at_fixed_k(cfg, runs)
+    assert [r["policy"] for r in rows] == ["step 0", "eagle3 final", "eagle3 final"]
+    assert "frozen_eagle3 has no checkpoint to measure" in caplog.text
 
 
 def test_no_fixed_k_acceptance_without_drafted_runs_or_prompts(tmp_path, monkeypatch):
