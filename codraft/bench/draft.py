@@ -1,8 +1,8 @@
 """`codraft bench draft`: a trained draft's acceptance on held-out task prompts and its rollout speedup.
 
 Held out: the prompts after the first draft_train.num_prompts of the task stream, or, for a loaded draft that
-records the prompts it was distilled on (`codraft_trained_on`) from this stream (task.*, run.seed), after those
-where they are more; a draft that records none is warned about (it may have learned from the bench's prompts).
+records the prompts it was distilled on (`codraft_trained_on`) from this stream (rl.tasks.task_stream), after
+those where they are more; a draft that records none is warned about (it may have learned from the bench's prompts).
 
 Acceptance: tau and per-position acceptance at k = 7 (EAGLE-3) or one block (DFlash/DSpark: block 8 => k = 7),
 greedy and at temperature 1, with the real rollout engine (stop tokens on, as in RL rollouts).
