@@ -36,12 +36,13 @@ from typing import TypeVar
 
 from codraft.bench.report import interleaved, machine, markdown_table, median, write_results
 from codraft.config import DRAFT_FAMILIES, Config, ConfigError, with_overrides
-from codraft.distill.distill import distillation_prompts, split_prompts, start_distillation
+from codraft.distill.distill import split_prompts, start_distillation
 from codraft.drafts import DraftModel
 from codraft.drafts.evaluate import EVAL_TEMPERATURES, eval_k, measure_acceptance
 from codraft.drafts.export import check_family, exported_trained_on, load_draft
 from codraft.models import Tokenizer, Transformer, load_policy
 from codraft.observability import progress
+from codraft.rl.tasks import task_stream
 from codraft.rollout import Rollout, RolloutStats, SpeculationController, generate
 from codraft.rollout.speedup import plain_at
 
@@ -78,7 +79,7 @@ def past_training_prompts(cfg: Config, draft_path: str) -> Config:
                     "those after the first draft_train.num_prompts=%d of the task stream, held out only if it "
                     "learned from no more of them", draft_path, n)
         return cfg
-    if record.get("stream") != distillation_prompts(cfg)["stream"]:
+    if record.get("stream") != task_stream(cfg):
         log.warning("bench.draft_path %s was distilled on another task stream (%s): the held-out prompts are those "
                     "after draft_train.num_prompts=%d of this one", draft_path, record.get("stream"), n)
         return cfg

@@ -33,32 +33,25 @@ def main(cfg: Config) -> int:
     source = Path(e.source)
     if e.out_dir is None and is_draft_dir(source):
         raise ConfigError("export.out_dir is required when export.source is an exported draft dir")
-    draft = load_source(source, cfg)
+    draft, trained_on = load_source(source, cfg)
     if e.family != "any":
         check_family(draft, "export.source", "export.family", e.family)
-    out = export_draft(draft, Path(e.out_dir) if e.out_dir is not None else source / "export", source_record(source))
+    out = export_draft(draft, Path(e.out_dir) if e.out_dir is not None else source / "export", trained_on)
     log.info("exported the %s draft of %s to %s", draft.family, source, out)
     return 0
 
 
-def load_source(source: Path, cfg: Config) -> DraftModel:
+def load_source(source: Path, cfg: Config) -> tuple[DraftModel, dict | None]:
+    """The source's draft and the prompts it records it was distilled on, kept in the export (a train run's draft
+    records none: it went on learning from the run's rollouts)."""
     if is_draft_dir(source):
-        return load_exported(source, cfg)
+        return load_exported(source, cfg), exported_trained_on(source)
     if is_draft_dir(source / "draft"):
-        return load_exported(source / "draft", run_config(source))
+        return load_exported(source / "draft", run_config(source)), exported_trained_on(source / "draft")
     if (source / "checkpoints").is_dir():
-        return load_train_run(source, run_config(source))
+        return load_train_run(source, run_config(source)), None
     raise ConfigError(f"export.source: '{source}' is neither a run dir (with checkpoints/ or draft/) "
                       f"nor an exported draft dir (with {CONFIG_FILE})")
-
-
-def source_record(source: Path) -> dict | None:
-    """The prompts a draft dir (or a draft-train run's draft/) records it was distilled on, kept in the export; a
-    train run's draft records none (it went on learning from the run's rollouts)."""
-    for path in (source, source / "draft"):
-        if is_draft_dir(path):
-            return exported_trained_on(path)
-    return None
 
 
 def run_config(run_dir: Path) -> Config:

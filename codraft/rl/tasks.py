@@ -260,29 +260,33 @@ class ChainTask(IndexedTask):
         return Problem(prompt, str(total), steps=tuple(steps))
 
 
-def task_stream(cfg: Config) -> dict:
-    """What decides the problems `build_task(cfg)` draws, in order: the fields it reads for task.kind, and run.seed
-    (not task.reward or task.chat_template, which change how a problem is scored or shown, not which it is)."""
+def _task_args(cfg: Config) -> dict:
+    """The task fields `build_task` passes to task.kind's class: with run.seed, all that decides which problems it
+    draws, in order (task.reward and task.chat_template change how a problem is scored or shown, not which)."""
     t = cfg.task
     if t.kind == "chain":
-        fields = dict(min_operand=t.min_operand, max_operand=t.max_operand, chain_min_terms=t.chain_min_terms,
-                      chain_max_terms=t.chain_max_terms, operators=t.operators)
-    elif t.kind == "jsonl":
-        fields = dict(path=str(Path(t.path).resolve()))
-    else:
-        fields = dict(min_operand=t.min_operand, max_operand=t.max_operand, num_terms=t.num_terms,
-                      operators=t.operators)
-    return {"kind": t.kind, **fields, "seed": cfg.run.seed}
+        return dict(min_operand=t.min_operand, max_operand=t.max_operand, min_terms=t.chain_min_terms,
+                    max_terms=t.chain_max_terms, operators=t.operators)
+    if t.kind == "jsonl":
+        return dict(problems=t.path)
+    return dict(min_operand=t.min_operand, max_operand=t.max_operand, num_terms=t.num_terms, operators=t.operators)
+
+
+def task_stream(cfg: Config) -> dict:
+    """The identity of the problem stream `build_task(cfg)` draws (a JSONL file by its absolute path)."""
+    args = _task_args(cfg)
+    if cfg.task.kind == "jsonl":
+        args["problems"] = str(Path(args["problems"]).resolve())
+    return {"kind": cfg.task.kind, **args, "seed": cfg.run.seed}
 
 
 def build_task(cfg: Config) -> IndexedTask:
-    t = cfg.task
-    if t.kind == "chain":
-        return ChainTask(t.min_operand, t.max_operand, t.chain_min_terms, t.chain_max_terms, t.operators,
-                         seed=cfg.run.seed)
-    if t.kind == "jsonl":
+    kind, args = cfg.task.kind, _task_args(cfg)
+    if kind == "chain":
+        return ChainTask(**args, seed=cfg.run.seed)
+    if kind == "jsonl":
         try:
-            return JsonlTask(t.path, seed=cfg.run.seed)
+            return JsonlTask(**args, seed=cfg.run.seed)
         except ValueError as e:  # the row and field at fault
             raise ConfigError(f"task.path {e}") from e
-    return ArithmeticTask(t.min_operand, t.max_operand, t.num_terms, t.operators, seed=cfg.run.seed)
+    return ArithmeticTask(**args, seed=cfg.run.seed)
