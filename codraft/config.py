@@ -148,8 +148,10 @@ class DraftConfig:
     draft_vocab_size: int = 8192  # most frequent tokens (0 = all): EAGLE-3's head, DFlash/DSpark's drafted ones
     head_from_policy: bool = False  # a fresh draft's norm + head start as the policy's (its draft-vocab rows)
     # the dtype of the draft's matmuls in rollouts on CPU (its weights and training stay in model.dtype): auto =
-    # bfloat16 where the CPU has bf16 arithmetic (AVX-512 BF16 / AMX: half the bytes, ~0.7x the draft's time)
-    inference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # int8 where torch has the x86/fbgemm quantized engine (per-channel weights, per-call activations: a quarter of
+    # fp32's bytes, 0.75-0.82x a bf16 draft step's time, acceptance within noise: models/linear.py), else bfloat16
+    # where the CPU has bf16 arithmetic (AVX-512 BF16 / AMX: half the bytes, ~0.7x fp32's time), else float32
+    inference_dtype: Literal["auto", "float32", "bfloat16", "int8"] = "auto"
     # DFlash / DSpark
     num_layers: int = 2
     block_size: int = 8

@@ -24,6 +24,7 @@ class TapFusion(nn.Module):
     def __init__(self, num_taps: int, hidden_size: int, eps: float, norm: bool):
         super().__init__()
         self.fc = Linear(num_taps * hidden_size, hidden_size, bias=False)
+        self.fc.raw_input = True  # the policy's residual stream: no int8 copy (models/linear.py)
         self.norm = RMSNorm(hidden_size, eps) if norm else None
 
     def forward(self, taps: list[torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from codraft.drafts.eagle3 import Eagle3Draft, default_tap_layers
 from codraft.drafts.export import export_draft, load_draft
 from codraft.drafts.vocab import build_draft_vocab, count_tokens
 from codraft.models import ModelArgs, Transformer
+from codraft.models.linear import int8_packing_available
 from codraft.models.rope import apply_rotary
 from codraft.rollout import SamplingParams, generate
 from codraft.rollout.sampling import probabilities
@@ -305,6 +306,23 @@ def test_eagle3_speculative_samples_follow_the_target_distribution(params):
     torch.manual_seed(5)  # draft tokens are drawn from torch's global generator
     counts = sampled_counts(model, draft.drafter(), params, 16000, seed=7)
     assert chi_square_pvalue(counts, exact_joint(model, params)) > ALPHA
+
+
+@pytest.mark.skipif(not int8_packing_available(), reason="no x86/fbgemm quantized engine")
+def test_an_int8_draft_samples_the_target_distribution_and_keeps_its_tap_fusion_in_a_float_dtype():
+    """draft.inference_dtype=int8 (auto where the engine is there): the draft draws from what its int8 matmuls
+    compute and reports that distribution, so verification keeps the target's; its fusion reads raw taps and
+    stays float."""
+    model = tiny_model(vocab_size=8, sharpen=2.0, tie_word_embeddings=False)
+    draft = make_draft(model, tap_layers=[0, 1], draft_vocab_size=6, inference_dtype="int8").float()
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(4.0)
+    torch.manual_seed(5)
+    params = SamplingParams(1.0)
+    counts = sampled_counts(model, draft.drafter(), params, 16000, seed=7)
+    assert chi_square_pvalue(counts, exact_joint(model, params)) > ALPHA
+    assert draft.lm_head.packed.dtype == draft.midlayer.mlp.gate_up.packed.dtype == torch.int8
+    assert draft.fusion.fc.packed.dtype in (torch.bfloat16, torch.float32)
 
 
 # --- export ---

@@ -184,21 +184,27 @@ def test_bf16_copies_of_fp32_weights_hand_back_fp32_close_to_the_fp32_result():
         assert module.abc.packed.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize("amx", [True, False])
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_is_bf16_only_on_native_bf16_arithmetic_and_for_a_policy_only_with_amx(monkeypatch, native, amx):
+def test_auto_is_int8_or_bf16_for_a_draft_and_for_a_policy_bf16_only_with_amx(monkeypatch, native, amx, int8):
     """oneDNN runs bf16 on any AVX-512 core, by emulation where the CPU has no bf16 instructions: slower than
     fp32, so auto keeps the weights' dtype there. A policy's copies (`exact`) are bf16 only where bf16 rollouts are
-    shape-invariant (AMX): on AVX-512 BF16 without it greedy speculation differed from plain decoding."""
+    shape-invariant (AMX): on AVX-512 BF16 without it greedy speculation differed from plain decoding; never int8,
+    whose rows depend on their call's other rows. A draft's are int8 wherever the quantized engine is there."""
     monkeypatch.setattr(linear, "native_bf16", lambda: native)
     monkeypatch.setattr(linear, "bf16_shape_invariant", lambda: amx)
+    monkeypatch.setattr(linear, "int8_packing_available", lambda: int8)
     bf16 = native and packing_available()
-    assert packed_dtype("auto", torch.float32) == (torch.bfloat16 if bf16 else torch.float32)
+    assert packed_dtype("auto", torch.float32) == (torch.int8 if int8 else torch.bfloat16 if bf16 else torch.float32)
     assert packed_dtype("auto", torch.float32, exact=True) == (torch.bfloat16 if bf16 and amx else torch.float32)
     assert packed_dtype("float32", torch.float32) == torch.float32
     for exact in (False, True):
         assert packed_dtype("bfloat16", torch.float32, exact) == (torch.bfloat16 if linear.bf16_packing_available()
                                                                   else torch.float32)
+    assert packed_dtype("int8", torch.float32) == (torch.int8 if int8 else torch.float32)
+    with pytest.raises(ValueError, match="exact"):
+        packed_dtype("int8", torch.float32, exact=True)
 
 
 def test_without_a_bf16_linear_on_the_cpu_bf16_asked_for_runs_in_the_weights_dtype_with_one_logged_line(
@@ -244,3 +250,48 @@ def test_a_linear_marked_keep_dtype_is_packed_in_its_own_dtype_whatever_is_asked
     assert pack_linears(module, dtype=torch.bfloat16) == 2
     assert module["body"].packed.weight.dtype == torch.bfloat16
     assert module["head"].packed.weight.dtype == torch.float32
+
+
+needs_int8 = pytest.mark.skipif(not linear.int8_packing_available(), reason="no x86/fbgemm quantized engine")
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_int8_copies_hand_back_fp32_close_to_the_fp32_result_and_never_serve_gradients(rows):
+    """A draft's int8 copy (per-channel weights, per-call activations): within a few percent of the fp32 matmul's
+    scale at the row counts a chain step, an absorb and a batch-32 proposal run; training never sees it."""
+    module = _group((True, False, True))
+    assert pack_linears(module, dtype=torch.int8) == 1
+    assert module.abc.packed.dtype == torch.int8
+    x = torch.randn(rows, 24)
+    ref = torch.cat([F.linear(x, m.weight, m.bias) for m in (module.a, module.b, module.c)], -1)
+    with torch.no_grad():
+        out = torch.cat(module.abc(x), -1)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert (out - ref).abs().max() < 0.03 * ref.abs().max()
+    with torch.enable_grad():
+        assert torch.equal(torch.cat(module.abc(x), -1), ref)  # the members themselves, for gradients
+
+
+@needs_int8
+def test_a_raw_input_linear_is_packed_in_a_float_dtype_when_int8_is_asked():
+    """Tap fusion reads the policy's residual stream, whose few huge dimensions would take a shared activation
+    scale's whole range: it stays bf16 (or its own dtype) beside an int8 draft layer."""
+    module = torch.nn.ModuleDict({"fc": Linear(24, 40), "body": Linear(40, 8)})
+    module["fc"].raw_input = True
+    assert pack_linears(module, dtype=torch.int8) == 2
+    assert module["body"].packed.dtype == torch.int8
+    assert module["fc"].packed.dtype == (torch.bfloat16 if linear.native_bf16() and linear.bf16_packing_available()
+                                          else torch.float32)
+    assert linear.packed_weight_bytes(module) == 40 * 8 + 40 * 24 * module["fc"].packed.dtype.itemsize + 40 * 4 + 8 * 4
+
+
+def test_int8_asked_without_a_quantized_engine_runs_in_the_weights_dtype_with_one_logged_line(monkeypatch, caplog):
+    monkeypatch.setattr(linear, "int8_packing_available", lambda: False)
+    monkeypatch.setattr(linear, "_logged", set())
+    layer = Linear(24, 40)
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        pack_linears(layer, dtype=torch.int8)
+        pack_linears(layer, dtype=torch.int8, force=True)
+    assert layer.packed.dtype == torch.float32
+    assert len([r for r in caplog.records if "no x86/fbgemm" in r.message]) == 1
