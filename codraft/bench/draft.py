@@ -94,7 +94,7 @@ def bench_subject(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
                   train_prompts: list[list[int]]) -> tuple[DraftModel, dict]:
     """The draft in bench.draft_path, or one distilled for draft_train.steps on the task's training prompts."""
     if cfg.bench.draft_path is not None:
-        draft = load_draft(cfg.bench.draft_path, policy)
+        draft = load_draft(cfg.bench.draft_path, policy, cfg.draft.inference_dtype)
         if cfg.draft.family != "none":
             check_family(draft, "bench.draft_path", "draft.family", cfg.draft.family)
         return draft, {"draft_path": cfg.bench.draft_path}

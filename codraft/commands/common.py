@@ -37,11 +37,12 @@ def read_prompts(gen: GenerateConfig) -> list[str]:
     return prompts
 
 
-def build_drafter(gen: GenerateConfig, policy: Transformer) -> Drafter | None:
+def build_drafter(gen: GenerateConfig, policy: Transformer, inference_dtype: str) -> Drafter | None:
+    """`generate.drafter`'s drafter; a learned one's matmuls run in `inference_dtype` (`draft.inference_dtype`)."""
     if gen.drafter == "none":
         return None
     if gen.drafter == "ngram":
         return NgramDrafter()
-    draft = check_family(read_draft(gen.draft_path, policy, "generate.draft_path"), "generate.draft_path",
-                         "generate.drafter", gen.drafter)
+    draft = read_draft(gen.draft_path, policy, "generate.draft_path", inference_dtype)
+    draft = check_family(draft, "generate.draft_path", "generate.drafter", gen.drafter)
     return draft.drafter()

@@ -19,7 +19,7 @@ def main(cfg: Config) -> int:
     model, tokenizer = load_policy(cfg)
     texts = read_prompts(gen)
     prompts = [encode_prompt(tokenizer, t, gen.chat_template) for t in texts]
-    drafter = build_drafter(gen, model)
+    drafter = build_drafter(gen, model, cfg.draft.inference_dtype)
     run_dir = prepare_run_dir(cfg, "generate")  # once every input is read: a refused run leaves nothing behind
     controller = SpeculationController(gen.num_speculative_tokens) if drafter and gen.adaptive else None
 

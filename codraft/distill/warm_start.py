@@ -189,6 +189,7 @@ def initial_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer,
     if cfg.checkpoint.draft_init == "auto":
         return warm_start_draft(cfg, policy, tokenizer)
     if cfg.checkpoint.draft_init is not None:
-        return check_family(read_draft(cfg.checkpoint.draft_init, policy, "checkpoint.draft_init"),
+        return check_family(read_draft(cfg.checkpoint.draft_init, policy, "checkpoint.draft_init",
+                                       cfg.draft.inference_dtype),
                             "checkpoint.draft_init", "draft.family", cfg.draft.family)
     return build_draft(cfg.draft, policy, tokenizer, corpus or ())

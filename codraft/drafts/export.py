@@ -104,8 +104,10 @@ def exported_trained_on(path: str | Path) -> dict | None:
     return json.loads((Path(path) / CONFIG_FILE).read_text()).get("codraft_trained_on")
 
 
-def load_draft(path: str | Path, policy: Transformer) -> DraftModel:
-    """Rebuild the draft in `path` for `policy`, attached to it and on its device (weights keep their dtype)."""
+def load_draft(path: str | Path, policy: Transformer, inference_dtype: str | None = None) -> DraftModel:
+    """Rebuild the draft in `path` for `policy`, attached to it and on its device (weights keep their dtype).
+    `inference_dtype` (the run's `draft.inference_dtype`) replaces the saved one: how a draft's rollout matmuls run
+    is the run's choice, not a property of the draft."""
     path = Path(path)
     config = json.loads((path / CONFIG_FILE).read_text())
     family = exported_family(path)
@@ -117,14 +119,17 @@ def load_draft(path: str | Path, policy: Transformer) -> DraftModel:
         )
     state = load_file(str(path / WEIGHTS_FILE))
     draft = FAMILIES[family].from_export(config, state, policy.args)
+    if inference_dtype is not None:
+        draft.cfg = dataclasses.replace(draft.cfg, inference_dtype=inference_dtype)
     device = next(policy.parameters()).device
     return draft.to(device).attach(policy)
 
 
-def read_draft(path: str, policy: Transformer, key: str) -> DraftModel:
-    """The exported draft at `path` (the value of config key `key`); one that cannot be read is a ConfigError."""
+def read_draft(path: str, policy: Transformer, key: str, inference_dtype: str | None = None) -> DraftModel:
+    """The exported draft at `path` (the value of config key `key`), as `load_draft` rebuilds it; one that cannot be
+    read is a ConfigError."""
     try:
-        return load_draft(path, policy)
+        return load_draft(path, policy, inference_dtype)
     except (OSError, ValueError, KeyError, SafetensorError) as e:  # missing files, bad config.json, torn weights
         raise ConfigError(f"{key}: {e}") from e
 

@@ -12,7 +12,7 @@ from codraft.config import ConfigError, load_config
 from codraft.distill import warm_start
 from codraft.distill.distill import distillation_prompts
 from codraft.drafts import build_draft
-from codraft.drafts.export import WEIGHTS_FILE, exported_trained_on, load_draft
+from codraft.drafts.export import WEIGHTS_FILE, export_draft, exported_trained_on, load_draft
 from codraft.models import Transformer, load_policy
 from codraft.models.linear import bf16_packing_available
 from codraft.train.checkpoint import load_checkpoint
@@ -206,6 +206,17 @@ def test_train_with_draft_init_auto_is_the_same_run_on_a_miss_a_hit_and_from_the
     _, fresh = trainer_run(tmp_path, "none", *dflash, "checkpoint.draft_init=none")
     assert fresh.cfg.checkpoint.draft_init is None and distillations == ["dflash"]
     assert not same_weights(fresh.draft, a.draft)
+
+
+def test_a_draft_init_dir_runs_its_matmuls_in_the_run_s_inference_dtype(tmp_path):
+    """draft.inference_dtype is the run's choice: a draft saved under another one follows the run's."""
+    cfg, policy, tokenizer = setup("draft.family=eagle3", "draft.inference_dtype=int8")
+    path = export_draft(build_draft(cfg.draft, policy, tokenizer, ()), tmp_path / "saved")
+    assert load_draft(path, policy).cfg.inference_dtype == "int8"  # what it was saved with
+    run = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, inference_dtype="float32"),
+                              checkpoint=dataclasses.replace(cfg.checkpoint, draft_init=str(path)))
+    draft = warm_start.initial_draft(run, policy, tokenizer)
+    assert draft.cfg.inference_dtype == "float32" and draft.inference_dtype == torch.float32
 
 
 def test_draft_init_values_are_checked():
