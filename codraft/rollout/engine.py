@@ -22,7 +22,7 @@ from codraft.models import KVCache, Transformer
 from codraft.models.linear import pack_linears, unpack_linears
 from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal, right_padded
-from codraft.rollout.sampling import SamplingParams, draw, probabilities
+from codraft.rollout.sampling import SamplingParams, draw, greedy_tokens, probabilities
 from codraft.rollout.stats import RolloutStats
 from codraft.rollout.verify import verify, verify_greedy, vocab_index
 
@@ -285,7 +285,7 @@ def generate(
         fwd = model(feed, cache=cache, taps=taps, active=active)
         if proposal is not None:
             if params.greedy:  # argmax ids only; greedy log-probs are 0 (point masses)
-                verdict = verify_greedy(drafts, num_drafts, fwd.logits.argmax(-1))
+                verdict = verify_greedy(drafts, num_drafts, greedy_tokens(fwd.logits))
             else:
                 target = probabilities(fwd.logits, params)  # [B, width+1, V]
                 draft_probs = proposal.probs[:, :width] if proposal.probs is not None else None

@@ -64,3 +64,15 @@ def test_a_row_without_usable_mass_is_an_error_not_a_token(row):
     probs = torch.tensor([[0.2, 0.3, 0.5], row])
     with pytest.raises(ValueError, match="row 1 of probs has no positive finite mass"):
         sample(probs, None)
+
+
+def test_greedy_tokens_are_argmax_with_its_first_maximum_on_ties():
+    """max(-1).indices stands in for argmax(-1) in decode and verify steps: the same ids, ties included."""
+    from codraft.rollout.sampling import greedy_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 97)
+    logits[0, 0, [4, 9, 60]] = 10.0  # a three-way tie: the first wins
+    logits[1, 2] = 0.0  # all equal
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert greedy_tokens(logits)[0, 0] == 4 and greedy_tokens(logits)[1, 2] == 0
