@@ -243,7 +243,7 @@ def run_draft_bench(policy: Transformer, draft: DraftModel, prompts: list[list[i
     speed = [measure_speedup(policy, draft, prompts, batch=batch, k=k, max_new_tokens=max_new_tokens,
                              repeats=repeats, stop_tokens=stop_tokens) for batch in batch_sizes]
     payload = {"machine": machine(), "family": draft.family, "k": k, "max_new_tokens": max_new_tokens,
-               "stop_tokens": stop_tokens,
+               "stop_tokens": stop_tokens, "draft_matmuls": str(draft.inference_dtype).removeprefix("torch."),
                "repeats": repeats, "training": training, "acceptance": acceptance, "speedup": speed}
     write_results(out_dir, f"draft_{draft.family}", payload, tables(payload))
     return payload
@@ -257,7 +257,8 @@ def tables(payload: dict) -> str:
     text = markdown_table(["temperature", "k", "tau", "acceptance per position"], rows)
     task, after = payload["training"].get("task", "arithmetic"), payload["training"].get("held_out_after")
     held = f" (after the first {after} of the task stream)" if after is not None else ""
-    text += f"\n{payload['family']} draft, {acceptance['prompts']} held-out {task} prompts{held}, " \
+    matmuls = f", its rollout matmuls in {payload['draft_matmuls']}" if "draft_matmuls" in payload else ""
+    text += f"\n{payload['family']} draft{matmuls}, {acceptance['prompts']} held-out {task} prompts{held}, " \
             f"{payload['max_new_tokens']} new tokens at most.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
     nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match

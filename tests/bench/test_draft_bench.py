@@ -4,6 +4,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from codraft.bench.draft import past_training_prompts, prompt_groups, run_draft_bench, speed_runs
 from codraft.bench.report import interleaved, median
@@ -12,6 +13,7 @@ from codraft.config import DraftConfig, load_config
 from codraft.distill.distill import distillation_prompts
 from codraft.drafts import build_draft
 from codraft.drafts.export import export_draft, exported_trained_on
+from codraft.models.linear import packed_dtype
 from tests.rollout.conftest import tiny_model
 from tests.rollout.test_engine import PROMPTS
 
@@ -76,12 +78,14 @@ def test_bench_draft_on_the_chain_task_with_stop_tokens(tmp_path):
                  "bench.batch_sizes=[2]", f"bench.out_dir={tmp_path}"]) == 0
     result = json.loads((tmp_path / "draft_eagle3.json").read_text())
     assert result["stop_tokens"] and result["training"]["task"] == "chain"
+    assert result["draft_matmuls"] == str(packed_dtype("auto", torch.float32)).removeprefix("torch.")
     (speed,) = result["speedup"]
     assert speed["greedy_tokens_identical"] and speed["spec_speedup_t0"] > 0
     tokens = speed["length_matched_tokens_t1"]
     assert tokens["spec"] == tokens["ar_matched"] > 0 and speed["spec_speedup_length_matched_t1"] > 0
     text = (tmp_path / "draft_eagle3.md").read_text()
     assert "held-out chain prompts" in text and "stop tokens on" in text and "Length-matched (T > 0)" in text
+    assert f"its rollout matmuls in {result['draft_matmuls']}" in text
 
 
 def tiny_policy_and_draft():
