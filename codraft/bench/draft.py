@@ -257,8 +257,8 @@ def tables(payload: dict) -> str:
     text = markdown_table(["temperature", "k", "tau", "acceptance per position"], rows)
     task, after = payload["training"].get("task", "arithmetic"), payload["training"].get("held_out_after")
     held = f" (after the first {after} of the task stream)" if after is not None else ""
-    matmuls = f", its rollout matmuls in {payload['draft_matmuls']}" if "draft_matmuls" in payload else ""
-    text += f"\n{payload['family']} draft{matmuls}, {acceptance['prompts']} held-out {task} prompts{held}, " \
+    text += f"\n{payload['family']} draft (rollout matmuls {payload['draft_matmuls']}), " \
+            f"{acceptance['prompts']} held-out {task} prompts{held}, " \
             f"{payload['max_new_tokens']} new tokens at most.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
     nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match

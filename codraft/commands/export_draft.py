@@ -79,7 +79,7 @@ def load_train_run(run_dir: Path, run_cfg: Config) -> DraftModel:
     policy, tokenizer = load_policy(run_cfg)
     init = run_cfg.checkpoint.draft_init
     init = None if init == "auto" else init  # a cached draft was distilled with run_cfg.draft: fresh has its shapes
-    draft = (read_draft(init, policy, "checkpoint.draft_init") if init is not None
+    draft = (read_draft(init, policy, "checkpoint.draft_init", run_cfg.draft.inference_dtype) if init is not None
              else build_draft(run_cfg.draft, policy, tokenizer))
     draft.load_state_dict(load_file(str(path / "draft.safetensors")))
     log.info("draft of %s at step %d", run_dir, json.loads((path / "meta.json").read_text())["step"])

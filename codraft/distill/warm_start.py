@@ -103,8 +103,10 @@ def entry_lock(entry: Path) -> Iterator[None]:
         yield  # closing the file releases the lock
 
 
-def read_entry(entry: Path, key: dict, policy: Transformer, family: str) -> tuple[DraftModel | None, str]:
-    """(the cached draft, "") on a hit, else (None, why not)."""
+def read_entry(entry: Path, key: dict, policy: Transformer, family: str,
+               inference_dtype: str) -> tuple[DraftModel | None, str]:
+    """(the cached draft, "") on a hit, else (None, why not). The key leaves the draft's rollout dtype out: a hit
+    runs in the run's `inference_dtype`."""
     if not entry.is_dir():
         return None, NO_ENTRY
     try:
@@ -122,7 +124,7 @@ def read_entry(entry: Path, key: dict, policy: Transformer, family: str) -> tupl
         if not (entry / name).is_file() or file_sha256(entry / name) != recorded:
             return None, f"{name} is missing, truncated or altered (its sha256 is not the one recorded)"
     try:
-        draft = load_draft(entry, policy)
+        draft = load_draft(entry, policy, inference_dtype)
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         return None, f"it does not load for this policy: {e}"
     if draft.family != family:
@@ -166,7 +168,7 @@ def warm_start_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> 
     key = cache_key(cfg, policy)
     entry = entry_dir(cfg, key)
     with entry_lock(entry):
-        draft, why = read_entry(entry, key, policy, cfg.draft.family)
+        draft, why = read_entry(entry, key, policy, cfg.draft.family, cfg.draft.inference_dtype)
         if draft is not None:
             log.info("warm start: the cached %s draft %s", cfg.draft.family, entry)
             return draft
@@ -174,7 +176,7 @@ def warm_start_draft(cfg: Config, policy: Transformer, tokenizer: Tokenizer) -> 
                 "warm start: %s in %s: distilling a %s draft (draft_train.num_prompts=%d, draft_train.steps=%d)",
                 why, entry, cfg.draft.family, cfg.draft_train.num_prompts, cfg.draft_train.steps)
         write_entry(entry, key, distil(cfg, policy, tokenizer), distillation_prompts(cfg))
-        draft, why = read_entry(entry, key, policy, cfg.draft.family)
+        draft, why = read_entry(entry, key, policy, cfg.draft.family, cfg.draft.inference_dtype)
         assert draft is not None, f"the draft just written to {entry} does not read back: {why}"
         log.info("warm start: cached the distilled %s draft in %s", cfg.draft.family, entry)
         return draft

@@ -31,10 +31,11 @@ run by `quantized::linear_dynamic`, fp32 in and out. A draft's chain step at 1-8
 and on the Intel AMX host its five matmuls took 215 instead of 503 us a token at one row (a loop over all five, so
 none stays in cache), the whole draft step 0.75-0.82x its bf16 time at 1-8 rows, with acceptance (k = 7, 32
 held-out chain prompts) 3.22 vs 3.18 at T=0 and 2.16 vs 2.21 at T=1 (mean of 4 seeds). A row's output depends on
-the other rows of its call (the shared activation scale), so it is for drafts only: verification uses the
-distribution a draft drew from, whatever computed it. A Linear marked `raw_input` (tap fusion: the policy's
-residual stream, whose few huge dimensions would take a shared scale's whole range) is packed in bf16 (or its own
-dtype) instead.
+the other rows of its call (the shared activation scale: one row's outlier coarsens the others', one row's inf makes
+the whole call NaN), so it is for drafts only: verification uses the distribution a draft drew from, whatever
+computed it, and a NaN proposal is rejected (it costs speed, never tokens). A Linear marked `raw_input` (tap fusion:
+the policy's residual stream, whose few huge dimensions would take a shared scale's whole range) is packed in bf16
+(or its own dtype) instead.
 
 A bf16 copy runs calls of more than 32 rows as slices of 32. oneDNN's bf16 kernels (AMX on the Intel host) sum in
 another order above 32 rows, and a bf16 output rounds that difference to a whole bf16 step: the same row of

@@ -159,10 +159,10 @@ def generate(
     target forward; the output distribution is the target's either way. `adaptive`
     (True or a controller kept across calls) picks k per step and may turn
     speculation off when it does not pay. `packed_weights` runs the target's and
-    the draft's linears on oneDNN-packed copies (models/linear.py), in `model.inference_dtype` and the drafter's
-    `model_dtype`; False is the plain F.linear reference path at the weights' precision. `max_new_tokens` is one
-    limit for every row or a list with one per prompt (`codraft bench draft` decodes plainly at the lengths a
-    speculative run produced).
+    the draft's linears on packed copies (models/linear.py: oneDNN's, or fbgemm's for a draft's int8), in
+    `model.inference_dtype` and the drafter's `model_dtype`; False is the plain F.linear reference path at the
+    weights' precision. `max_new_tokens` is one limit for every row or a list with one per prompt (`codraft bench
+    draft` decodes plainly at the lengths a speculative run produced).
     """
     params = SamplingParams(temperature, top_p, top_k)
     if num_speculative_tokens < 0:

@@ -8,7 +8,14 @@ import torch
 from codraft.drafts import build_draft
 from codraft.drafts.base import DraftModel, cache_attention, draft_cache_mask, write_cache
 from codraft.models import KVCache
-from codraft.models.linear import FusedLinears, Linear, bf16_packing_available, packing_available
+from codraft.models.linear import (
+    FusedLinears,
+    Linear,
+    bf16_packing_available,
+    int8_packing_available,
+    native_bf16,
+    packing_available,
+)
 from codraft.rollout import SpeculationController, generate
 from codraft.rollout.sampling import SamplingParams
 from tests.drafts.blocks import draft_config, packed_batch, tiny_policy
@@ -172,14 +179,16 @@ def test_a_probe_drafts_on_its_first_rows_only_and_the_others_prompts_lose_their
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
 @pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
 def test_rollouts_pack_the_draft_in_its_inference_dtype_and_greedy_stays_exact(family):
-    """draft.inference_dtype: the draft's rollout matmuls run on bf16 (or fp32) copies; greedy speculative
-    tokens stay plain decoding's either way (the sampled case: the chi-square tests, auto = bf16 here)."""
+    """draft.inference_dtype: the draft's rollout matmuls run on int8, bf16 or fp32 copies (tap fusion, which reads
+    raw taps, on float ones); greedy speculative tokens stay plain decoding's either way (the sampled case: the
+    chi-square tests)."""
     policy = tiny_policy(dtype=torch.float32)
     prompts = [[3, 4, 5, 6, 3, 4, 5], [7, 8, 9]]
     kw = dict(temperature=0, max_new_tokens=10, stop_token_ids=[])
     plain = generate(policy, prompts, **kw)
     bf16 = torch.bfloat16 if bf16_packing_available() else torch.float32  # the fallback where oneDNN has none
-    for setting, dtype in (("float32", torch.float32), ("bfloat16", bf16)):
+    int8 = torch.int8 if int8_packing_available() else torch.float32
+    for setting, dtype in (("float32", torch.float32), ("bfloat16", bf16), ("int8", int8)):
         draft = build_draft(draft_config(family, block_size=3, mask_token_id=7, inference_dtype=setting), policy)
         drafter = draft.drafter()
         assert drafter.model_dtype == dtype
@@ -187,7 +196,10 @@ def test_rollouts_pack_the_draft_in_its_inference_dtype_and_greedy_stays_exact(f
         assert spec.tokens == plain.tokens and spec.stats.draft_tokens_proposed > 0
         copies = [m.packed for m in draft.modules() if isinstance(m, Linear) and m.packed is not None]
         copies += [g.packed for m in draft.modules() for g in vars(m).values() if isinstance(g, FusedLinears)]
-        assert copies and all(c.weight.dtype == dtype for c in copies)
+        fusion = draft.fusion.fc.packed
+        assert copies and all(c.dtype == dtype for c in copies if c is not fusion)
+        float_fusion = torch.bfloat16 if native_bf16() and bf16_packing_available() else torch.float32
+        assert fusion.dtype == (dtype if dtype != torch.int8 else float_fusion)
 
 
 @pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])

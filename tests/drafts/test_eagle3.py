@@ -13,7 +13,7 @@ from codraft.drafts.eagle3 import Eagle3Draft, default_tap_layers
 from codraft.drafts.export import export_draft, load_draft
 from codraft.drafts.vocab import build_draft_vocab, count_tokens
 from codraft.models import ModelArgs, Transformer
-from codraft.models.linear import int8_packing_available
+from codraft.models.linear import int8_packing_available, packing_available
 from codraft.models.rope import apply_rotary
 from codraft.rollout import SamplingParams, generate
 from codraft.rollout.sampling import probabilities
@@ -308,7 +308,7 @@ def test_eagle3_speculative_samples_follow_the_target_distribution(params):
     assert chi_square_pvalue(counts, exact_joint(model, params)) > ALPHA
 
 
-@pytest.mark.skipif(not int8_packing_available(), reason="no x86/fbgemm quantized engine")
+@pytest.mark.skipif(not (packing_available() and int8_packing_available()), reason="no packing or quantized engine")
 def test_an_int8_draft_samples_the_target_distribution_and_keeps_its_tap_fusion_in_a_float_dtype():
     """draft.inference_dtype=int8 (auto where the engine is there): the draft draws from what its int8 matmuls
     compute and reports that distribution, so verification keeps the target's; its fusion reads raw taps and

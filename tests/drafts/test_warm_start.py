@@ -118,15 +118,15 @@ def test_a_damaged_entry_is_never_loaded_and_is_rebuilt(distillations, monkeypat
     entry = entry_of(cfg, policy)
     damage(entry)
     loaded, load = [], warm_start.load_draft
-    monkeypatch.setattr(warm_start, "load_draft", lambda path, p: loaded.append(
-        (path / WEIGHTS_FILE).read_bytes()) or load(path, p))
+    monkeypatch.setattr(warm_start, "load_draft", lambda path, *a: loaded.append(
+        (path / WEIGHTS_FILE).read_bytes()) or load(path, *a))
     rebuilt = warm_start.warm_start_draft(cfg, policy, tokenizer)
     (line,) = warnings(caplog)
     assert reason in line and "distilling a eagle3 draft" in line
     assert distillations == ["eagle3", "eagle3"]
     assert len(loaded) == 1  # only the rebuilt entry was read, never the damaged one
     assert same_weights(first, rebuilt)  # distillation is deterministic: the same draft again
-    assert warm_start.read_entry(entry, warm_start.cache_key(cfg, policy), policy, "eagle3")[0] is not None
+    assert warm_start.read_entry(entry, warm_start.cache_key(cfg, policy), policy, "eagle3", "auto")[0] is not None
 
 
 def plant(entry, key, draft) -> None:
@@ -208,15 +208,20 @@ def test_train_with_draft_init_auto_is_the_same_run_on_a_miss_a_hit_and_from_the
     assert not same_weights(fresh.draft, a.draft)
 
 
-def test_a_draft_init_dir_runs_its_matmuls_in_the_run_s_inference_dtype(tmp_path):
-    """draft.inference_dtype is the run's choice: a draft saved under another one follows the run's."""
+def test_a_draft_from_a_dir_or_the_cache_runs_its_matmuls_in_the_run_s_inference_dtype(tmp_path, distillations):
+    """draft.inference_dtype is the run's choice: a draft saved under another one (an exported dir, a cache entry,
+    whose key leaves the setting out) follows the run's."""
     cfg, policy, tokenizer = setup("draft.family=eagle3", "draft.inference_dtype=int8")
-    path = export_draft(build_draft(cfg.draft, policy, tokenizer, ()), tmp_path / "saved")
+    saved = build_draft(cfg.draft, policy, tokenizer, ())
+    path = export_draft(saved, tmp_path / "saved")
     assert load_draft(path, policy).cfg.inference_dtype == "int8"  # what it was saved with
-    run = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, inference_dtype="float32"),
-                              checkpoint=dataclasses.replace(cfg.checkpoint, draft_init=str(path)))
-    draft = warm_start.initial_draft(run, policy, tokenizer)
-    assert draft.cfg.inference_dtype == "float32" and draft.inference_dtype == torch.float32
+    plant(entry_of(cfg, policy), warm_start.cache_key(cfg, policy), saved)
+    run = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, inference_dtype="float32"))
+    for init in (str(path), "auto"):
+        draft = warm_start.initial_draft(dataclasses.replace(run, checkpoint=dataclasses.replace(
+            cfg.checkpoint, draft_init=init)), policy, tokenizer)
+        assert draft.cfg.inference_dtype == "float32" and draft.inference_dtype == torch.float32
+    assert distillations == []  # the entry was a hit
 
 
 def test_draft_init_values_are_checked():

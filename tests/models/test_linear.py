@@ -196,7 +196,8 @@ def test_auto_is_int8_or_bf16_for_a_draft_and_for_a_policy_bf16_only_with_amx(mo
     monkeypatch.setattr(linear, "bf16_shape_invariant", lambda: amx)
     monkeypatch.setattr(linear, "int8_packing_available", lambda: int8)
     bf16 = native and packing_available()
-    assert packed_dtype("auto", torch.float32) == (torch.int8 if int8 else torch.bfloat16 if bf16 else torch.float32)
+    assert packed_dtype("auto", torch.float32) == (torch.int8 if int8 and packing_available()
+                                                   else torch.bfloat16 if bf16 else torch.float32)
     assert packed_dtype("auto", torch.float32, exact=True) == (torch.bfloat16 if bf16 and amx else torch.float32)
     assert packed_dtype("float32", torch.float32) == torch.float32
     for exact in (False, True):
@@ -284,6 +285,19 @@ def test_a_raw_input_linear_is_packed_in_a_float_dtype_when_int8_is_asked():
     assert module["fc"].packed.dtype == (torch.bfloat16 if linear.native_bf16() and linear.bf16_packing_available()
                                           else torch.float32)
     assert linear.packed_weight_bytes(module) == 40 * 8 + 40 * 24 * module["fc"].packed.dtype.itemsize + 40 * 4 + 8 * 4
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_training_autocast_auto_follows_native_bf16_whatever_the_draft_s_rollout_copies_are(monkeypatch, native):
+    """`auto` draft copies are int8 where fbgemm is there; a draft's training matmuls are bf16 where the CPU has bf16
+    arithmetic all the same (it read packed_dtype("auto") and lost bf16 when that became int8)."""
+    from codraft.models import autocast
+
+    monkeypatch.setattr(autocast, "native_bf16", lambda: native)
+    monkeypatch.setattr(linear, "int8_packing_available", lambda: True)
+    layer = Linear(24, 40)
+    assert autocast.training_autocast(layer, "auto")._enabled == (native and linear.bf16_packing_available())
+    assert not autocast.training_autocast(layer, "float32")._enabled
 
 
 def test_int8_asked_without_a_quantized_engine_runs_in_the_weights_dtype_with_one_logged_line(monkeypatch, caplog):

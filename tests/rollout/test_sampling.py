@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from codraft.rollout.sampling import sample
+from codraft.rollout.sampling import greedy_tokens, sample
 
 ALPHA, DRAWS = 1e-3, 40000
 
@@ -68,8 +68,6 @@ def test_a_row_without_usable_mass_is_an_error_not_a_token(row):
 
 def test_greedy_tokens_are_argmax_with_its_first_maximum_on_ties():
     """max(-1).indices stands in for argmax(-1) in decode and verify steps: the same ids, ties included."""
-    from codraft.rollout.sampling import greedy_tokens
-
     torch.manual_seed(0)
     logits = torch.randn(3, 5, 97)
     logits[0, 0, [4, 9, 60]] = 10.0  # a three-way tie: the first wins
