@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from codraft.models.linear import bf16_packing_available, native_bf16
+from codraft.models.linear import bf16_native_linear
 
 
 def training_autocast(module: nn.Module, setting: str) -> torch.autocast:
@@ -25,7 +25,7 @@ def training_autocast(module: nn.Module, setting: str) -> torch.autocast:
     weight = next(module.parameters())
     if setting == "auto":
         native = (torch.cuda.is_bf16_supported() if weight.device.type == "cuda"
-                  else weight.device.type == "cpu" and native_bf16() and bf16_packing_available())
+                  else weight.device.type == "cpu" and bf16_native_linear())
         setting = "bfloat16" if native else "float32"
     return torch.autocast(weight.device.type, dtype=torch.bfloat16,
                           enabled=setting == "bfloat16" and weight.dtype == torch.float32)

@@ -113,6 +113,11 @@ def bf16_packing_available() -> bool:
     return packing_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def bf16_native_linear() -> bool:
+    """oneDNN runs bf16 linears on this CPU's own bf16 arithmetic: where bf16 copies and bf16 training matmuls pay."""
+    return native_bf16() and bf16_packing_available()
+
+
 @functools.cache
 def int8_packing_available() -> bool:
     """PyTorch's x86 (fbgemm) quantized engine is there to run int8 dynamic linears on this CPU."""
@@ -138,7 +143,7 @@ def packed_dtype(setting: str, weights: torch.dtype, exact: bool = False) -> tor
     if setting == "auto":
         if not exact and packing_available() and int8_packing_available():
             return torch.int8
-        bf16 = packing_available() and native_bf16() and (bf16_shape_invariant() or not exact)
+        bf16 = bf16_native_linear() and (bf16_shape_invariant() or not exact)
         return torch.bfloat16 if bf16 else weights
     if setting == "int8" and exact:
         raise ValueError("int8 copies give a row other outputs beside other rows; a policy's must be exact")
@@ -162,7 +167,7 @@ def _float_dtype(dtype: torch.dtype | None) -> torch.dtype | None:
     """What a `raw_input` Linear is packed in when int8 is asked: bf16 where that is native, else its own dtype."""
     if dtype != torch.int8:
         return dtype
-    return torch.bfloat16 if native_bf16() and bf16_packing_available() else None
+    return torch.bfloat16 if bf16_native_linear() else None
 
 
 @dataclass

@@ -293,7 +293,7 @@ def test_training_autocast_auto_follows_native_bf16_whatever_the_draft_s_rollout
     arithmetic all the same (it read packed_dtype("auto") and lost bf16 when that became int8)."""
     from codraft.models import autocast
 
-    monkeypatch.setattr(autocast, "native_bf16", lambda: native)
+    monkeypatch.setattr(linear, "native_bf16", lambda: native)
     monkeypatch.setattr(linear, "int8_packing_available", lambda: True)
     layer = Linear(24, 40)
     assert autocast.training_autocast(layer, "auto")._enabled == (native and linear.bf16_packing_available())
