@@ -308,6 +308,9 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,
             "rollout_tokens_per_s_vs_baseline": (tokens / rollout) / (base_tokens / base_rollout)
             if rollout and base_tokens and base_rollout else math.nan,
+            # the same for the whole step: end-to-end throughput, where e2e speedup also counts the work not done
+            "step_tokens_per_s_vs_baseline": (tokens / step) / (base_tokens / base_step)
+            if step and base_tokens and base_step else math.nan,
             "reward_last": reward,
             "reward_last_se": se,
             "reward_diff": diff,
@@ -321,7 +324,8 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
 def table(summary: list[dict], cfg: Config) -> str:
     header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW} ± SE", f"accept pos 1 first / last {WINDOW}",
               "mean k", "rollout share", "rollout speedup", "rollout speedup in run", "e2e speedup",
-              "response tokens vs baseline", "rollout tokens/s vs baseline", f"reward last {WINDOW} ± SE",
+              "response tokens vs baseline", "rollout tokens/s vs baseline", "step tokens/s vs baseline",
+              f"reward last {WINDOW} ± SE",
               "reward - baseline", "within 2 SE", "train/inference KL", "drift (last)"]
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
 
@@ -336,7 +340,7 @@ def table(summary: list[dict], cfg: Config) -> str:
              " / ".join("n/a" if s[k] is None else f"{s[k]:.3g}" for k in ("accept1_first", "accept1_last")),
              "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
              s["rollout_speedup"], in_run(s), s["e2e_speedup"], s["tokens_vs_baseline"],
-             s["rollout_tokens_per_s_vs_baseline"],
+             s["rollout_tokens_per_s_vs_baseline"], s["step_tokens_per_s_vs_baseline"],
              f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
              yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]
     rl, task = cfg.rl, cfg.task
@@ -354,8 +358,8 @@ def table(summary: list[dict], cfg: Config) -> str:
         "which moves with the controller's k (mean k: its mean per verify forward in each step, averaged over the "
         "run's steps); accept pos 1 = the share of first draft tokens accepted, a measure of the draft alone, "
         "per-step means over the same steps. Sampled runs part ways, so their answers' lengths differ: response "
-        "tokens vs baseline is the run's total over the "
-        "baseline's on those steps, rollout tokens/s vs baseline the ratio of response tokens per rollout second.",
+        "tokens vs baseline is the run's total over the baseline's on those steps, rollout (step) tokens/s vs "
+        "baseline the ratio of response tokens per rollout (step) second.",
         "Rollout speedup in run: the median (over the steps in brackets) of rollout/speedup_measured, the run's own "
         "rollout against plain decoding of the same prompts to the same row lengths timed right after it "
         f"(rl.measure_speedup_every={rl.measure_speedup_every}): free of the runs' different answer lengths and of "

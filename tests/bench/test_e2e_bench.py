@@ -52,10 +52,12 @@ def test_speedups_are_baseline_seconds_over_run_seconds_on_the_shared_steps_afte
 
 
 def test_a_run_that_drew_shorter_answers_shows_them_beside_its_speedup():
-    history = {"baseline": records(5), "eagle3": records(5, rollout_s=1.0, length=50.0)}
+    history = {"baseline": records(5), "eagle3": records(5, rollout_s=1.0, step_s=3.0, length=50.0)}
     s = by_run(e2e.summarize(history))["eagle3"]
     assert s["rollout_speedup"] == pytest.approx(2.0)  # half the seconds, for half the tokens
     assert s["tokens_vs_baseline"] == pytest.approx(0.5) and s["rollout_tokens_per_s_vs_baseline"] == pytest.approx(1.0)
+    # the step took 3 s of the baseline's 4 for half its tokens: 1.33x the seconds, 0.67x the throughput
+    assert s["e2e_speedup"] == pytest.approx(4 / 3) and s["step_tokens_per_s_vs_baseline"] == pytest.approx(2 / 3)
 
 
 def test_tau_windows_are_the_first_and_last_ten_steps():
@@ -107,8 +109,8 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
                              "mean k | rollout share | rollout speedup |")
     # first-position acceptance only in the first two records (none in the last 10), no k: n/a where none
     assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 ± 0.096 | 0.6 / n/a | n/a | 0.143 | 2 | 1.3 (2) | 1.14 | 1 "
-                             "| 2 | 0.500 ± 0.000 | 0 | yes |")
-    assert baseline.split(" | ")[14] == "n/a"  # the baseline is the reference of the reward test
+                             "| 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
+    assert baseline.split(" | ")[15] == "n/a"  # the baseline is the reference of the reward test
     assert baseline.split(" | ")[8] == "n/a"  # no draft, no in-run measurement
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
     assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
