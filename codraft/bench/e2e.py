@@ -308,7 +308,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,
             "rollout_tokens_per_s_vs_baseline": (tokens / rollout) / (base_tokens / base_rollout)
             if rollout and base_tokens and base_rollout else math.nan,
-            # the same for the whole step: end-to-end throughput, where e2e speedup also counts the work not done
+            # the whole step's throughput: its seconds alone (e2e_speedup) also credit a run for shorter answers
             "step_tokens_per_s_vs_baseline": (tokens / step) / (base_tokens / base_step)
             if step and base_tokens and base_step else math.nan,
             "reward_last": reward,
