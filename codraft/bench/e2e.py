@@ -284,7 +284,8 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
         reward, se = mean_se([r["reward/mean"] for r in rows[-WINDOW:]])
         diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
-        in_run = finite([r.get("rollout/speedup_measured", math.nan) for r in rows])
+        measured = [r for r in rows if r.get("rollout/speedup_measured", math.nan) == r.get("rollout/speedup_measured")]
+        in_run = [r["rollout/speedup_measured"] for r in measured]
         tau_last, tau_last_se = mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])
         out.append({
             "run": name,
@@ -300,8 +301,14 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "mean_k": known(mean_se([r.get("spec/mean_k", math.nan) for r in rows])[0]),
             "rollout_share": rollout / step if step else math.nan,
             "rollout_speedup": base_rollout / rollout if rollout else math.nan,
-            # against plain decoding of the same rows to the same lengths, in the run (rl.measure_speedup_every)
-            "rollout_speedup_in_run": statistics.median(in_run) if in_run else None,
+            # against plain decoding of the same rows to the same lengths, in the run (rl.measure_speedup_every):
+            # the measured steps' seconds, so a long rollout weighs as much as it takes; per step they spread
+            # 0.9-1.8x (answers of 10-192 tokens), and a median of the 8 steps of every fifth read 1.19 where all
+            # 40 steps of the same run read 1.27-1.28 (README, stop 46)
+            "rollout_speedup_in_run": sum(r["rollout/plain_s"] for r in measured)
+            / sum(r["rollout/spec_s"] for r in measured) if measured else None,
+            "rollout_speedup_in_run_se": known(mean_se(in_run)[1]),  # of the per-step ratios' mean
+            "rollout_speedup_in_run_median": statistics.median(in_run) if in_run else None,
             "rollout_speedup_in_run_steps": len(in_run),
             "e2e_speedup": base_step / step if step else math.nan,
             # sampled runs part ways: a run that drew shorter answers did less work in its seconds
@@ -330,8 +337,10 @@ def table(summary: list[dict], cfg: Config) -> str:
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
 
     def in_run(s: dict) -> str:
-        x = s["rollout_speedup_in_run"]
-        return "n/a" if x is None else f"{x:.3g} ({s['rollout_speedup_in_run_steps']})"
+        x, se = s["rollout_speedup_in_run"], s["rollout_speedup_in_run_se"]
+        if x is None:
+            return "n/a"
+        return f"{x:.3g}{'' if se is None else f' ± {se:.2g}'} ({s['rollout_speedup_in_run_steps']})"
 
     def tau_last(s: dict) -> str:
         return f"{s['tau_last']:.3g}" + ("" if s["tau_last_se"] is None else f" ± {s['tau_last_se']:.2g}")
@@ -360,10 +369,10 @@ def table(summary: list[dict], cfg: Config) -> str:
         "per-step means over the same steps. Sampled runs part ways, so their answers' lengths differ: response "
         "tokens vs baseline is the run's total over the baseline's on those steps, rollout (step) tokens/s vs "
         "baseline the ratio of response tokens per rollout (step) second.",
-        "Rollout speedup in run: the median (over the steps in brackets) of rollout/speedup_measured, the run's own "
-        "rollout against plain decoding of the same prompts to the same row lengths timed right after it "
-        f"(rl.measure_speedup_every={rl.measure_speedup_every}): free of the runs' different answer lengths and of "
-        "the minutes between runs.",
+        "Rollout speedup in run: on the steps in brackets, the run's own rollouts against plain decoding of the same "
+        "prompts to the same row lengths timed right after each (rl.measure_speedup_every="
+        f"{rl.measure_speedup_every}), total plain seconds over total speculative seconds (± the standard error of "
+        "the per-step ratios' mean): free of the runs' different answer lengths and of the minutes between runs.",
         f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",
     ]
     if base["rollout_share"] < MIN_ROLLOUT_SHARE:

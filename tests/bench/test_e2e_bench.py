@@ -77,6 +77,19 @@ def test_first_position_acceptance_and_mean_k_are_summarised_beside_tau():
     assert s["mean_k"] == pytest.approx(2.0)
 
 
+def test_the_in_run_rollout_speedup_weighs_each_measured_step_by_its_seconds():
+    """A 10 s rollout bought 2 s, a 1 s one 1 s: the run's rollouts took 11 s where plain decoding took 14."""
+    rows = records(6)
+    rows[2] |= {"rollout/speedup_measured": 1.2, "rollout/spec_s": 10.0, "rollout/plain_s": 12.0}
+    rows[4] |= {"rollout/speedup_measured": 2.0, "rollout/spec_s": 1.0, "rollout/plain_s": 2.0}
+    s = by_run(e2e.summarize({"baseline": records(6), "eagle3": rows}))
+    assert s["eagle3"]["rollout_speedup_in_run"] == pytest.approx(14 / 11)
+    assert s["eagle3"]["rollout_speedup_in_run_median"] == pytest.approx(1.6)
+    assert s["eagle3"]["rollout_speedup_in_run_se"] == pytest.approx(statistics.stdev([1.2, 2.0]) / math.sqrt(2))
+    assert s["eagle3"]["rollout_speedup_in_run_steps"] == 2
+    assert s["baseline"]["rollout_speedup_in_run"] is None and s["baseline"]["rollout_speedup_in_run_se"] is None
+
+
 def test_reward_is_compared_within_two_combined_standard_errors():
     wobble = lambda mean: lambda i: mean + (0.1 if i % 2 else -0.1)  # noqa: E731
     history = {"baseline": records(20, reward=wobble(0.5)), "same": records(20, reward=wobble(0.52)),
@@ -96,7 +109,8 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
                "dspark": records(12, rollout_s=0.5, step_s=3.5, tau=lambda i: 2.0 + i / 10)}
     history["dspark"][4]["drift/kl_step0"] = 0.03
     history["dspark"][0]["spec/accept_rate_pos_0"], history["dspark"][1]["spec/accept_rate_pos_0"] = 0.5, 0.7
-    history["dspark"][4]["rollout/speedup_measured"], history["dspark"][9]["rollout/speedup_measured"] = 1.2, 1.4
+    history["dspark"][4] |= {"rollout/speedup_measured": 1.2, "rollout/spec_s": 10.0, "rollout/plain_s": 12.0}
+    history["dspark"][9] |= {"rollout/speedup_measured": 1.4, "rollout/spec_s": 1.0, "rollout/plain_s": 1.4}
     variants = {"baseline": ["draft.family=none"], "dspark": e2e.co_trained_overrides("dspark")}
     payload = e2e.write_outputs(history, variants, cfg, tmp_path)
     saved = json.loads((tmp_path / "e2e.json").read_text())
@@ -108,8 +122,8 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert header.startswith("| run | steps | tau first 10 | tau last 10 ± SE | accept pos 1 first / last 10 | "
                              "mean k | rollout share | rollout speedup |")
     # first-position acceptance only in the first two records (none in the last 10), no k: n/a where none
-    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 ± 0.096 | 0.6 / n/a | n/a | 0.143 | 2 | 1.3 (2) | 1.14 | 1 "
-                             "| 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
+    assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 ± 0.096 | 0.6 / n/a | n/a | 0.143 | 2 | 1.22 ± 0.1 (2) "
+                             "| 1.14 | 1 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
     assert baseline.split(" | ")[15] == "n/a"  # the baseline is the reference of the reward test
     assert baseline.split(" | ")[8] == "n/a"  # no draft, no in-run measurement
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from codraft.rollout.adaptive import SpeculationController, VerifyCostModel
 
 
@@ -383,3 +385,13 @@ def test_the_stop_rule_prices_a_draft_position_by_its_measured_cost():
     assert c.stop_rule(2, 4) is None  # a probe samples every position
     c.probing = False
     assert c.stop_rule(2, 1) is None and SpeculationController(4, draft_stop=False).stop_rule(1, 4) is None
+
+
+def test_a_row_count_never_probed_at_waits_as_long_as_the_nearest_one_that_was():
+    """Rows leave a batch one by one: a probe at 31 rows is priced by what one at 32 cost, not free."""
+    c = controller_with_costs(decode_s=0.05, extra_per_token=1.0, rows=32)
+    assert c.probe_wait(31) == 0  # nothing probed yet: the first probe is free to come
+    c.observe_probe(32, 0.10)
+    assert c.probe_wait(31) == c.probe_wait(32) == 50
+    c.observe_probe(8, 0.06)
+    assert c.probe_wait(9) == c.probe_wait(8) == pytest.approx(0.2 / c.probe_budget)
