@@ -284,7 +284,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
         reward, se = mean_se([r["reward/mean"] for r in rows[-WINDOW:]])
         diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
-        measured = [r for r in rows if r.get("rollout/speedup_measured", math.nan) == r.get("rollout/speedup_measured")]
+        measured = [r for r in rows if math.isfinite(r.get("rollout/speedup_measured", math.nan))]
         in_run = [r["rollout/speedup_measured"] for r in measured]
         tau_last, tau_last_se = mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])
         out.append({
