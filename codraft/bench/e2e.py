@@ -261,6 +261,11 @@ def window_mean(rows: list[dict], key: str, last: bool) -> float:
     return mean_se([r.get(key, math.nan) for r in picked])[0]
 
 
+def per_second_ratio(work: float, seconds: float, base_work: float, base_seconds: float) -> float:
+    """Throughput over the baseline's: work / seconds against base_work / base_seconds (nan where a total is 0)."""
+    return (work / seconds) / (base_work / base_seconds) if seconds and base_work and base_seconds else math.nan
+
+
 def timed_totals(rows: list[dict], steps: set[int]) -> tuple[float, float, float]:
     """Total rollout seconds, step seconds and the steps' mean response lengths summed over `steps` (response
     tokens over the rows of a step, which every variant shares)."""
@@ -302,9 +307,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "rollout_share": rollout / step if step else math.nan,
             "rollout_speedup": base_rollout / rollout if rollout else math.nan,
             # against plain decoding of the same rows to the same lengths, in the run (rl.measure_speedup_every):
-            # the measured steps' seconds, so a long rollout weighs as much as it takes; per step they spread
-            # 0.9-1.8x (answers of 10-192 tokens), and a median of the 8 steps of every fifth read 1.19 where all
-            # 40 steps of the same run read 1.27-1.28 (README, stop 46)
+            # the measured steps' seconds, so a long rollout weighs what it takes (per step 0.9-1.8x: README, stop 46)
             "rollout_speedup_in_run": sum(r["rollout/plain_s"] for r in measured)
             / sum(r["rollout/spec_s"] for r in measured) if measured else None,
             "rollout_speedup_in_run_se": known(mean_se(in_run)[1]),  # of the per-step ratios' mean
@@ -313,11 +316,9 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "e2e_speedup": base_step / step if step else math.nan,
             # sampled runs part ways: a run that drew shorter answers did less work in its seconds
             "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,
-            "rollout_tokens_per_s_vs_baseline": (tokens / rollout) / (base_tokens / base_rollout)
-            if rollout and base_tokens and base_rollout else math.nan,
+            "rollout_tokens_per_s_vs_baseline": per_second_ratio(tokens, rollout, base_tokens, base_rollout),
             # the whole step's throughput: its seconds alone (e2e_speedup) also credit a run for shorter answers
-            "step_tokens_per_s_vs_baseline": (tokens / step) / (base_tokens / base_step)
-            if step and base_tokens and base_step else math.nan,
+            "step_tokens_per_s_vs_baseline": per_second_ratio(tokens, step, base_tokens, base_step),
             "reward_last": reward,
             "reward_last_se": se,
             "reward_diff": diff,

@@ -62,11 +62,17 @@ import bisect
 import math
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from statistics import NormalDist
 
 import torch
 
 from codraft.rollout.calibration import DraftCalibration, DraftStop
+
+
+def nearest_rows(counts: Iterable[int], rows: int) -> int:
+    """The row count among `counts` nearest to `rows`, the larger of two as near (it errs towards a higher cost)."""
+    return min(counts, key=lambda r: (abs(r - rows), -r))
 
 
 class VerifyCostModel:
@@ -135,7 +141,7 @@ class VerifyCostModel:
             for t, by_rows in self.points.items():
                 common = set(by_rows) & set(self.points[1]) if t > 1 else ()
                 if common:
-                    near = min(common, key=lambda r: (abs(r - rows), -r))
+                    near = nearest_rows(common, rows)
                     ratios[t] = by_rows[near] / self.points[1][near]
         if not ratios:
             return 1 + self.prior_extra * (tokens - 1)
@@ -428,8 +434,7 @@ class SpeculationController:
         steps, each probe 1.1-1.8 decode steps (a trace, T=1, stop tokens off)."""
         if not self.probe_cost:
             return 0.0
-        near = min(self.probe_cost, key=lambda r: (abs(r - rows), -r))
-        return self.probe_cost[near] / self.probe_budget
+        return self.probe_cost[nearest_rows(self.probe_cost, rows)] / self.probe_budget
 
     def observe_probe(self, rows: int, seconds: float) -> None:
         """A probe's draft and verify took `seconds` (its proposal's backlog included: that is what it cost)."""
