@@ -38,6 +38,7 @@ from codraft.drafts.export import exported_family
 from codraft.interrupt import StopOnSignal
 from codraft.jsonl import read_jsonl
 from codraft.observability import MetricsLogger, progress
+from codraft.rollout.speedup import run_speedup
 from codraft.train.checkpoint import latest_checkpoint
 from codraft.train.resume import resume_sections
 from codraft.train.trainer import Trainer
@@ -290,7 +291,7 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
         diff, bound = reward - base_reward, 2 * math.sqrt(se**2 + base_se**2)
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
         measured = [r for r in rows if math.isfinite(r.get("rollout/speedup_measured", math.nan))]
-        in_run = [r["rollout/speedup_measured"] for r in measured]
+        in_run = run_speedup([r["rollout/plain_s"] for r in measured], [r["rollout/spec_s"] for r in measured])
         tau_last, tau_last_se = mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])
         out.append({
             "run": name,
@@ -306,13 +307,11 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "mean_k": known(mean_se([r.get("spec/mean_k", math.nan) for r in rows])[0]),
             "rollout_share": rollout / step if step else math.nan,
             "rollout_speedup": base_rollout / rollout if rollout else math.nan,
-            # against plain decoding of the same rows to the same lengths, in the run (rl.measure_speedup_every):
-            # the measured steps' seconds, so a long rollout weighs what it takes (per step 0.9-1.8x: README, stop 46)
-            "rollout_speedup_in_run": sum(r["rollout/plain_s"] for r in measured)
-            / sum(r["rollout/spec_s"] for r in measured) if measured else None,
-            "rollout_speedup_in_run_se": known(mean_se(in_run)[1]),  # of the per-step ratios' mean
-            "rollout_speedup_in_run_median": statistics.median(in_run) if in_run else None,
-            "rollout_speedup_in_run_steps": len(in_run),
+            # against plain decoding of the same rows to the same lengths, in the run (rl.measure_speedup_every)
+            "rollout_speedup_in_run": in_run.ratio if in_run else None,
+            "rollout_speedup_in_run_se": known(in_run.se) if in_run else None,  # of the per-step ratios' mean
+            "rollout_speedup_in_run_median": in_run.median if in_run else None,
+            "rollout_speedup_in_run_steps": in_run.steps if in_run else 0,
             "e2e_speedup": base_step / step if step else math.nan,
             # sampled runs part ways: a run that drew shorter answers did less work in its seconds
             "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import statistics
 from collections import deque
 from contextlib import nullcontext
 
@@ -15,6 +14,7 @@ from codraft.observability import MetricsLogger, progress
 from codraft.parallel.collectives import anyone, prepare_run_dir, watch
 from codraft.parallel.launch import launched, relaunch
 from codraft.parallel.mesh import ParallelDims, parallel_dims
+from codraft.rollout.speedup import run_speedup
 from codraft.train.resume import resumable_checkpoint
 from codraft.train.trainer import Trainer
 
@@ -46,7 +46,7 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     # the summary's first and last 5 steps: a run of any length keeps 10 rows, not one per step
     head: list[dict] = []
     tail: deque[dict] = deque(maxlen=SUMMARY_STEPS)
-    speedups: dict[int, float] = {}  # step -> measured rollout speedup over plain decoding
+    speedups: dict[int, tuple[float, float]] = {}  # step -> (plain, speculative) rollout seconds, measured
     resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
     with StopOnSignal() as stop, logger as metrics:
@@ -59,7 +59,7 @@ def train(cfg: Config, dims: ParallelDims) -> int:
                 metrics.log(trainer.step, step_metrics)
             (head if len(head) < SUMMARY_STEPS else tail).append(step_metrics)
             if SPEEDUP in step_metrics:
-                speedups[trainer.step] = step_metrics[SPEEDUP]
+                speedups[trainer.step] = (step_metrics["rollout/plain_s"], step_metrics["rollout/spec_s"])
             live = {"reward": step_metrics["reward/mean"], "tau": step_metrics["spec/acceptance_length"],
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
@@ -78,12 +78,14 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     return stop.exit_code
 
 
-def speedup_line(speedups: dict[int, float]) -> str:
-    """The measured rollout speedups of the run, step by step, and their median."""
-    steps = ", ".join(f"{step}: {x:.2f}x" for step, x in speedups.items())
+def speedup_line(speedups: dict[int, tuple[float, float]]) -> str:
+    """The run's measured rollout speedup (`run_speedup`, as `codraft bench e2e` reports it) from each measured
+    step's (plain seconds, speculative seconds), and the steps' own ratios."""
+    run = run_speedup([plain for plain, _ in speedups.values()], [spec for _, spec in speedups.values()])
+    steps = ", ".join(f"{step}: {plain / spec:.2f}x" for step, (plain, spec) in speedups.items())
     return (f"speculative rollout vs plain decoding of the same prompts and row lengths, measured "
-            f"(rl.measure_speedup_every): median {statistics.median(speedups.values()):.2f}x over {len(speedups)} "
-            f"steps ({steps})")
+            f"(rl.measure_speedup_every): {run.ratio:.2f}x (plain seconds over speculative seconds) over "
+            f"{run.steps} steps, per step mean SE {run.se:.2g}, median {run.median:.2f}x ({steps})")
 
 
 def summary_table(head: list[dict], tail: list[dict]) -> str:

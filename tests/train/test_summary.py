@@ -1,5 +1,8 @@
 """The end-of-run summary keeps the first and last SUMMARY_STEPS steps' metrics, not every step's."""
 
+import math
+import statistics
+
 from codraft.commands.train import SUMMARY, SUMMARY_STEPS, speedup_line, summary_table
 
 
@@ -16,6 +19,8 @@ def test_summary_means_the_first_and_last_five_steps_whatever_the_split():
     assert summary_table([], []) == "(no steps run)"
 
 
-def test_the_speedup_line_lists_every_measured_step_and_their_median():
-    line = speedup_line({10: 0.9, 20: 1.3, 30: 1.1})
-    assert "median 1.10x over 3 steps (10: 0.90x, 20: 1.30x, 30: 1.10x)" in line
+def test_the_speedup_line_weighs_each_measured_step_by_its_seconds_and_lists_every_step():
+    """As `codraft bench e2e` reports it: a 10 s rollout that bought 2 s and a 1 s one that bought 1 s read 14/11."""
+    line = speedup_line({10: (12.0, 10.0), 20: (2.0, 1.0)})
+    assert "1.27x (plain seconds over speculative seconds) over 2 steps" in line
+    assert f"mean SE {statistics.stdev([1.2, 2.0]) / math.sqrt(2):.2g}, median 1.60x (10: 1.20x, 20: 2.00x)" in line
