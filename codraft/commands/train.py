@@ -6,6 +6,7 @@ import logging
 from collections import deque
 from contextlib import nullcontext
 
+from codraft.bench.e2e import run_speedup
 from codraft.config import Config
 from codraft.host_memory import step_end
 from codraft.interrupt import StopOnSignal
@@ -14,7 +15,6 @@ from codraft.observability import MetricsLogger, progress
 from codraft.parallel.collectives import anyone, prepare_run_dir, watch
 from codraft.parallel.launch import launched, relaunch
 from codraft.parallel.mesh import ParallelDims, parallel_dims
-from codraft.rollout.speedup import run_speedup
 from codraft.train.resume import resumable_checkpoint
 from codraft.train.trainer import Trainer
 

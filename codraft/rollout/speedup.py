@@ -8,11 +8,7 @@ At T > 0 the plain run samples other tokens, but the shape of its work is the sa
 
 from __future__ import annotations
 
-import math
-import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 from codraft.models import Transformer
 from codraft.rollout.engine import Rollout, generate
@@ -47,24 +43,3 @@ def measured_speedup(model: Transformer, rollout: Rollout, spec_s: float, *, tem
     plain_s += repack_s
     return {"rollout/spec_s": spec_s, "rollout/plain_s": plain_s, "rollout/policy_repack_s": repack_s,
             "rollout/speedup_measured": plain_s / spec_s}
-
-
-@dataclass(frozen=True)
-class RunSpeedup:
-    """A run's measured steps together: plain seconds over speculative seconds, so a long rollout weighs what it
-    takes (one step's answers run 10-192 tokens, its ratio 0.9-1.8x: README, stop 46), with the standard error of
-    the per-step ratios' mean (nan under two steps) and their median."""
-
-    ratio: float
-    se: float
-    median: float
-    steps: int
-
-
-def run_speedup(plain_s: Sequence[float], spec_s: Sequence[float]) -> RunSpeedup | None:
-    """The measured steps' plain and speculative seconds, step by step -> their RunSpeedup (None without steps)."""
-    if not spec_s:
-        return None
-    ratios = [p / s for p, s in zip(plain_s, spec_s, strict=True)]
-    se = statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) >= 2 else math.nan
-    return RunSpeedup(sum(plain_s) / sum(spec_s), se, statistics.median(ratios), len(ratios))
