@@ -48,6 +48,8 @@ class RunConfig:
 # every config key, command and message naming a family reads
 DRAFT_FAMILIES = ("eagle3", "dflash", "dspark")
 DraftLoss = Literal["soft_ce", "hard_ce", "tv"]
+# how a sampled call judges a chain of drafts (rollout/verify.py): each prefix as a whole, or each draft on its own
+Verification = Literal["block", "token"]
 
 # the names of models/presets.py (the one place they are built), here so the config can check them at load
 # without importing the model package
@@ -95,6 +97,7 @@ class GenerateConfig:
     num_speculative_tokens: int = 4
     drafter: Literal[("none", "ngram", *DRAFT_FAMILIES)] = "none"
     adaptive: bool = True  # adapt the number of speculative tokens to the acceptance rate
+    verification: Verification = "block"  # sampled calls; both rules are lossless (rollout/verify.py)
     batch_size: int = 8
     chat_template: bool = True
     prompt: str | None = None  # one prompt; or
@@ -243,6 +246,7 @@ class RLConfig:
     policy_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # policy's training matmuls, head excepted
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
+    verification: Verification = "block"  # how rollouts judge a chain of drafts; both lossless (rollout/verify.py)
     max_dropped_share: float = 0.5  # a step "trains nothing" when more than this share of samples has no reward
     max_dropped_steps: int = 3  # that many such steps in a row stop the run with the reward's error; 0 = never
     drift_every: int = 5  # steps between drift/kl_step0, KL(current || step-0 policy) per token (rl/drift.py); 0 = off
@@ -334,6 +338,7 @@ class BenchConfig:
     draft_path: str | None = None  # bench draft: an exported draft dir; None trains one (draft_train.*)
     draft_prompts: int = 16  # bench draft: held-out task prompts, after the ones the draft was distilled on
     stop_tokens: bool = False  # bench draft speed runs: rows end at EOS as in RL rollouts (else all emit max tokens)
+    verification: Verification = "block"  # bench draft: how its sampled runs and acceptance judge drafts
     soak_steps: int = 300  # bench soak: steps of the run killed and resumed once, and of the uninterrupted one
     e2e_families: list[str] = field(default_factory=lambda: list(DRAFT_FAMILIES))  # bench e2e: co-trained runs
     e2e_frozen: str = "best"  # bench e2e: the frozen control's family; best: highest last-10 tau; none: no control

@@ -197,8 +197,8 @@ def test_range_check_message(presets):
         (
             "generate=3",
             "config key 'generate' is a section; set one of its keys: max_new_tokens, temperature, top_p, "
-            "top_k, num_speculative_tokens, drafter, adaptive, batch_size, chat_template, prompt, prompts_file, "
-            "draft_path",
+            "top_k, num_speculative_tokens, drafter, adaptive, verification, batch_size, chat_template, prompt, "
+            "prompts_file, draft_path",
         ),
         ("generate.top_k.x=3", "config key 'generate.top_k' is a value, not a section; cannot set 'generate.top_k.x'"),
     ],

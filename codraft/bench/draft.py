@@ -67,7 +67,8 @@ def bench_draft(cfg: Config) -> dict:
     training |= {"task": cfg.task.kind, "held_out_after": cfg.draft_train.num_prompts}
     return run_draft_bench(policy, draft, held_out, k=eval_k(draft.cfg, cfg.draft_train.eval_k),
                            batch_sizes=b.batch_sizes, max_new_tokens=b.max_new_tokens, repeats=b.repeats,
-                           out_dir=b.out_dir, training=training, stop_tokens=b.stop_tokens)
+                           out_dir=b.out_dir, training=training, stop_tokens=b.stop_tokens,
+                           verification=b.verification)
 
 
 def past_training_prompts(cfg: Config, draft_path: str) -> Config:
@@ -150,7 +151,7 @@ def length_matched(groups: list[list[list[int]]], spec: Callable[[], Rollout],
 
 
 def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[int]]], k: int,
-               max_new_tokens: int, stop_tokens: bool) -> dict[str, Callable[[], Rollout]]:
+               max_new_tokens: int, stop_tokens: bool, verification: str = "block") -> dict[str, Callable[[], Rollout]]:
     """Plain (`ar_t*`), adaptive (`spec_t*`) and fixed-k (`fixed_t*`) decoding of the same prompts per temperature,
     and with stop tokens on at T > 0 plain decoding at the adaptive run's row lengths (`ar_matched_t*`)."""
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=None if stop_tokens else [], seed=0)
@@ -159,9 +160,11 @@ def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[in
         controller = SpeculationController(k)
         runs[f"ar_t{t:g}"] = lambda t=t: in_turn(groups, lambda p: generate(policy, p, temperature=t, **common))
         runs[f"spec_t{t:g}"] = lambda t=t, c=controller: in_turn(groups, lambda p: generate(
-            policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=c, **common))
+            policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=c,
+            verification=verification, **common))
         runs[f"fixed_t{t:g}"] = lambda t=t: in_turn(groups, lambda p: generate(
-            policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False, **common))
+            policy, p, drafter=draft.drafter(), num_speculative_tokens=k, temperature=t, adaptive=False,
+            verification=verification, **common))
         if stop_tokens and t > 0:
             runs[f"spec_t{t:g}"], runs[f"ar_matched_t{t:g}"] = length_matched(
                 groups, runs[f"spec_t{t:g}"], lambda p, limits, t=t: plain_at(policy, p, limits, temperature=t, seed=0))
@@ -196,9 +199,9 @@ def prefill_recorded(runs: dict[str, Callable[[], Rollout]]
 
 
 def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, batch: int, k: int,
-                    max_new_tokens: int, repeats: int, stop_tokens: bool = False) -> dict:
+                    max_new_tokens: int, repeats: int, stop_tokens: bool = False, verification: str = "block") -> dict:
     groups = prompt_groups(prompts, batch)
-    runs, prefill = prefill_recorded(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens))
+    runs, prefill = prefill_recorded(speed_runs(policy, draft, groups, k, max_new_tokens, stop_tokens, verification))
     times, outputs = interleaved(runs, repeats)
     prefill = {name: ps[1:] for name, ps in prefill.items()}  # the timed rounds' (the warm-up call is not timed)
     # the decode phase alone: each round's seconds less its prefill (the same work with and without a draft, and a
@@ -237,13 +240,16 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
 
 def run_draft_bench(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, k: int,
                     batch_sizes: list[int], max_new_tokens: int, repeats: int, out_dir: str,
-                    training: dict, stop_tokens: bool = False) -> dict:
+                    training: dict, stop_tokens: bool = False, verification: str = "block") -> dict:
     """`prompts` are held out from the draft's training; `training` says where the draft came from."""
-    acceptance = measure_acceptance(policy, draft, prompts, k=k, max_new_tokens=max_new_tokens, seed=0)
+    acceptance = measure_acceptance(policy, draft, prompts, k=k, max_new_tokens=max_new_tokens, seed=0,
+                                    verification=verification)
     speed = [measure_speedup(policy, draft, prompts, batch=batch, k=k, max_new_tokens=max_new_tokens,
-                             repeats=repeats, stop_tokens=stop_tokens) for batch in batch_sizes]
+                             repeats=repeats, stop_tokens=stop_tokens, verification=verification)
+             for batch in batch_sizes]
     payload = {"machine": machine(), "family": draft.family, "k": k, "max_new_tokens": max_new_tokens,
-               "stop_tokens": stop_tokens, "draft_matmuls": str(draft.inference_dtype).removeprefix("torch."),
+               "stop_tokens": stop_tokens, "verification": verification,
+               "draft_matmuls": str(draft.inference_dtype).removeprefix("torch."),
                "repeats": repeats, "training": training, "acceptance": acceptance, "speedup": speed}
     write_results(out_dir, f"draft_{draft.family}", payload, tables(payload))
     return payload
@@ -259,7 +265,8 @@ def tables(payload: dict) -> str:
     held = f" (after the first {after} of the task stream)" if after is not None else ""
     text += f"\n{payload['family']} draft (rollout matmuls {payload['draft_matmuls']}), " \
             f"{acceptance['prompts']} held-out {task} prompts{held}, " \
-            f"{payload['max_new_tokens']} new tokens at most.\n\n"
+            f"{payload['max_new_tokens']} new tokens at most, sampled drafts judged by " \
+            f"{payload.get('verification', 'token')} verification.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
     nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match
     rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],

@@ -38,6 +38,7 @@ def main(cfg: Config) -> int:
                 max_new_tokens=gen.max_new_tokens,
                 seed=cfg.run.seed + step,
                 adaptive=controller if controller is not None else False,
+                verification=gen.verification,
             )
             for i, (ids, reason) in enumerate(zip(rollout.tokens, rollout.finish_reasons, strict=True)):
                 text = tokenizer.decode(ids, skip_special_tokens=True)

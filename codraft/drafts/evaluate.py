@@ -20,12 +20,14 @@ def eval_k(draft_cfg: DraftConfig, k: int) -> int:
 
 
 def measure_acceptance(policy: Transformer, draft: DraftModel, prompts: list[list[int]], *, k: int,
-                       max_new_tokens: int, seed: int, temperatures: tuple[float, ...] = EVAL_TEMPERATURES) -> dict:
-    """Per temperature: tau (tokens per target forward per row) and the acceptance rate of each draft position."""
-    results = {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+                       max_new_tokens: int, seed: int, temperatures: tuple[float, ...] = EVAL_TEMPERATURES,
+                       verification: str = "block") -> dict:
+    """Per temperature: tau (tokens per target forward per row) and the acceptance rate of each draft position,
+    sampled drafts judged by `verification` (rollout/verify.py)."""
+    results = {"k": k, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "verification": verification}
     for temperature in temperatures:
         stats = generate(policy, prompts, drafter=draft.drafter(), num_speculative_tokens=k, temperature=temperature,
-                         max_new_tokens=max_new_tokens, seed=seed, adaptive=False).stats
+                         max_new_tokens=max_new_tokens, seed=seed, adaptive=False, verification=verification).stats
         results[f"temperature_{temperature:g}"] = {
             "tau": stats.acceptance_length,
             "accept_rate_per_position": stats.accept_rate_per_position,

@@ -53,7 +53,9 @@ per step: a sampled draft's probability of its own token says little of whether 
 
 With `truncate` on (off by default), after each proposal `verify_lengths` cuts each row's drafts at the first
 whose calibrated acceptance (calibration.py) does not pay for its share of the verify forward, where the cut
-forward's measured cost makes that pay, and the forward runs only the tokens fed.
+forward's measured cost makes that pay, and the forward runs only the tokens fed. Greedy calls only, as the
+chain's stop rule: a cut that reads a sampled draft's own probability changes the distribution it was drawn from
+(the engine passes no confidence at T > 0).
 """
 
 from __future__ import annotations

@@ -152,6 +152,7 @@ def generate(
     seed: int | None = None,
     adaptive: bool | SpeculationController = False,
     packed_weights: bool = True,
+    verification: str = "block",
 ) -> Rollout:
     """Generate a continuation of every prompt; rows finish independently.
 
@@ -162,9 +163,13 @@ def generate(
     the draft's linears on packed copies (models/linear.py: oneDNN's, or fbgemm's for a draft's int8), in
     `model.inference_dtype` and the drafter's `model_dtype`; False is the plain F.linear reference path at the
     weights' precision. `max_new_tokens` is one limit for every row or a list with one per prompt (`codraft bench
-    draft` decodes plainly at the lengths a speculative run produced).
+    draft` decodes plainly at the lengths a speculative run produced). `verification`: how sampled (T > 0) calls
+    judge a chain of drafts, "block" (each prefix as a whole) or "token" (each draft on its own); both are lossless,
+    and block keeps at least as many drafts on average (verify.py). Greedy calls compare argmaxes either way.
     """
     params = SamplingParams(temperature, top_p, top_k)
+    if verification not in ("block", "token"):
+        raise ValueError(f"verification must be 'block' or 'token', got {verification!r}")
     if num_speculative_tokens < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     row_limits = _row_limits(max_new_tokens, len(prompts))
@@ -273,7 +278,9 @@ def generate(
             budget = limit - n_out - 1  # the step also emits one target token
             num_drafts = proposal.lengths.clamp(max=budget).clamp(min=0)
             if controller is not None:
-                num_drafts = controller.verify_lengths(live, k, num_drafts, confidence)
+                # a sampled draft's cut may not read its own probability: keeping d_i only where q_i(d_i) is high
+                # proposes another distribution than q_i, and the output leaves the target's (test_block_verify)
+                num_drafts = controller.verify_lengths(live, k, num_drafts, confidence if params.greedy else None)
             width = int(num_drafts.max())
             drafts = proposal.tokens[:, :width]
             feed = torch.cat([pending[:, None], drafts], dim=1)
@@ -289,7 +296,7 @@ def generate(
             else:
                 target = probabilities(fwd.logits, params)  # [B, width+1, V]
                 draft_probs = proposal.probs[:, :width] if proposal.probs is not None else None
-                verdict = verify(drafts, num_drafts, draft_probs, proposal.vocab, target, generator)
+                verdict = verify(drafts, num_drafts, draft_probs, proposal.vocab, target, generator, verification)
             accepted, nxt = verdict.num_accepted, verdict.next_token
             emitted = torch.cat([drafts, nxt[:, None]], dim=1)
             emitted[torch.arange(live, device=device), accepted] = nxt

@@ -212,6 +212,7 @@ class Trainer:
             max_new_tokens=rl.max_new_tokens,
             seed=seed,
             adaptive=self.controller if self.controller is not None else False,
+            verification=rl.verification,
             **sampling,
         )
         spec_s = time.perf_counter() - start
