@@ -140,6 +140,9 @@ def test_bad_literal_lists_the_choices(presets):
         "config key 'generate.drafter' must be one of: none, ngram, eagle3, dflash, dspark (got 'foo')"
     )
     assert "float32, bfloat16, float16" in error(overrides=["model.dtype=fp8"])
+    assert error(overrides=["rl.verification=joint"]) == (
+        "config key 'rl.verification' must be one of: block, token (got 'joint')"
+    )
 
 
 def test_missing_model_path_names_path_and_presets(presets):

@@ -91,8 +91,8 @@ def verify(
         num_accepted = (valid & (u * q_draft < p_draft)).long().cumprod(-1).sum(-1)
         weight = None
     else:
-        num_accepted, weight = _block_accepted(u, p_draft, q_draft, valid, num_drafts, draft_tokens, draft_probs,
-                                               draft_vocab, target_probs)
+        num_accepted, weight = _block_accepted(u, p_draft, q_draft, valid, num_drafts, draft_probs, draft_vocab,
+                                               target_probs)
 
     # distribution of the emitted token at position num_accepted
     p_next = target_probs[rows, num_accepted]  # [B, V]
@@ -121,8 +121,8 @@ def _draft_distribution(tokens: torch.Tensor, probs: torch.Tensor | None, vocab:
     return torch.zeros_like(like).index_copy_(-1, vocab, probs.to(like.dtype))
 
 
-def _residual_mass(weight: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                   draft_vocab: torch.Tensor | None, p_draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _residual_mass(weight: torch.Tensor, draft_probs: torch.Tensor | None, draft_vocab: torch.Tensor | None,
+                   p_draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """m_i = sum_x (w_{i-1} p_i(x) - q_i(x))^+ at every draft position [B, k], from weight w_{i-1} [B, k] and the
     target's distributions target [B, k, V], without building q over the whole vocabulary: ids outside the draft's
     support contribute w p(x) each."""
@@ -137,9 +137,8 @@ def _residual_mass(weight: torch.Tensor, draft_tokens: torch.Tensor, draft_probs
 
 
 def _block_accepted(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor, valid: torch.Tensor,
-                    num_drafts: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                    draft_vocab: torch.Tensor | None, target_probs: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_drafts: torch.Tensor, draft_probs: torch.Tensor | None, draft_vocab: torch.Tensor | None,
+                    target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Block verification's tau [B] and the prefix weights w_0..w_k [B, k + 1] (`verify`)."""
     B, k = p_draft.shape
     ratio = torch.where(valid, p_draft / q_draft.clamp(min=1e-30), torch.ones_like(p_draft))
@@ -147,7 +146,7 @@ def _block_accepted(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tenso
     for i in range(k):  # a running min(1, w r): no closed form, and k is a handful
         weight.append((weight[-1] * ratio[:, i]).clamp(max=1))
     weight = torch.stack(weight, dim=1)  # [B, k + 1]
-    mass = _residual_mass(weight[:, :k], draft_tokens, draft_probs, draft_vocab, p_draft, target_probs[:, :k])
+    mass = _residual_mass(weight[:, :k], draft_probs, draft_vocab, p_draft, target_probs[:, :k])
     # h_i (i = 1..k at column i - 1) below a row's last draft: m_{i+1} / (m_{i+1} + 1 - w_i); 1 where that is 0 / 0
     # (w_i = 1 and p = q at i + 1: nothing is left to reject with)
     following = torch.cat([mass[:, 1:], mass.new_zeros(B, 1)], dim=1)
@@ -157,4 +156,4 @@ def _block_accepted(u: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tenso
     h = torch.where(last, weight[:, 1:], h)
     passed = valid & (u < h)
     position = torch.arange(1, k + 1, device=u.device)
-    return (passed.long() * position).amax(-1) if k else num_drafts.new_zeros(B), weight
+    return (passed.long() * position).amax(-1), weight
