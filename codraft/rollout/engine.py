@@ -24,7 +24,7 @@ from codraft.rollout.adaptive import SpeculationController
 from codraft.rollout.drafter import Drafter, Proposal, right_padded
 from codraft.rollout.sampling import SamplingParams, draw, greedy_tokens, probabilities
 from codraft.rollout.stats import RolloutStats
-from codraft.rollout.verify import verify, verify_greedy, vocab_index
+from codraft.rollout.verify import check_rule, verify, verify_greedy, vocab_index
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,7 @@ def generate(
     and block keeps at least as many drafts on average (verify.py). Greedy calls compare argmaxes either way.
     """
     params = SamplingParams(temperature, top_p, top_k)
-    if verification not in ("block", "token"):
-        raise ValueError(f"verification must be 'block' or 'token', got {verification!r}")
+    check_rule(verification)
     if num_speculative_tokens < 0:
         raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     row_limits = _row_limits(max_new_tokens, len(prompts))

@@ -8,8 +8,8 @@ are accepted a bonus token from p_{n+1}. The emitted tokens are then distributed
 exactly as the target's own samples (Leviathan et al. 2023; Chen et al. 2023).
 The "block" rule (the default, `verify`) judges each prefix as a whole: it is as
 lossless and keeps at least as many drafts on average (Sun et al. 2024); with a
-warm EAGLE-3 at T=1, 4 rows of 192 tokens, 0.99 -> 1.09 accepted drafts per
-row and step at k = 4 (README, "block verification").
+warm EAGLE-3 at T=1, 4 rows of 192 tokens, 0.99 -> 1.09 expected accepted
+drafts per row and step at k = 4 on the same proposals (README, "block verification").
 
 Whichever rule, how many drafts a row feeds may depend on anything drawn before
 a draft (earlier drafts, their probabilities, the row's budget), never on the
@@ -28,6 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from codraft.rollout.sampling import sample
+
+
+def check_rule(rule: str) -> None:
+    """`rule` names a way to judge a sampled chain (`verify`): generate checks it before any work."""
+    if rule not in ("block", "token"):
+        raise ValueError(f"verification rule must be 'block' or 'token', got {rule!r}")
 
 
 @dataclass
@@ -74,8 +80,7 @@ def verify(
     norm((w_tau p_{tau+1} - q_{tau+1})^+). The output is the target's distribution, and the expected number of
     tokens per step is at least the token rule's for any p and q (ibid., Theorems 1-2); at n = 1 the rules agree.
     Both draw one uniform per draft."""
-    if rule not in ("block", "token"):
-        raise ValueError(f"rule must be 'block' or 'token', got {rule!r}")
+    check_rule(rule)
     B, k = draft_tokens.shape
     device = draft_tokens.device
     steps = torch.arange(k, device=device)
