@@ -314,6 +314,8 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
         drift = finite([r.get("drift/kl_step0", math.nan) for r in rows])
         measured = [r for r in rows if math.isfinite(r.get("rollout/speedup_measured", math.nan))]
         in_run = run_speedup([r["rollout/plain_s"] for r in measured], [r["rollout/spec_s"] for r in measured])
+        steps_in_run = [r for r in measured if math.isfinite(r.get("step/speedup_measured", math.nan))]
+        e2e_in_run = run_speedup([r["step/plain_s"] for r in steps_in_run], [r["time/step_s"] for r in steps_in_run])
         tau_last, tau_last_se = mean_se([r.get("spec/acceptance_length", math.nan) for r in rows[-WINDOW:]])
         out.append({
             "run": name,
@@ -335,6 +337,10 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
             "rollout_speedup_in_run_median": in_run.median if in_run else None,
             "rollout_speedup_in_run_steps": in_run.steps if in_run else 0,
             "e2e_speedup": base_step / step if step else math.nan,
+            # the same steps without a draft: rollout decoded plainly, no draft training (rollout/speedup.py)
+            "e2e_speedup_in_run": e2e_in_run.ratio if e2e_in_run else None,
+            "e2e_speedup_in_run_se": known(e2e_in_run.se) if e2e_in_run else None,
+            "e2e_speedup_in_run_steps": e2e_in_run.steps if e2e_in_run else 0,
             # sampled runs part ways: a run that drew shorter answers did less work in its seconds
             "tokens_vs_baseline": tokens / base_tokens if base_tokens else math.nan,
             "rollout_tokens_per_s_vs_baseline": per_second_ratio(tokens, rollout, base_tokens, base_rollout),
@@ -353,16 +359,17 @@ def summarize(history: dict[str, list[dict]]) -> list[dict]:
 def table(summary: list[dict], cfg: Config) -> str:
     header = ["run", "steps", f"tau first {WINDOW}", f"tau last {WINDOW} ± SE", f"accept pos 1 first / last {WINDOW}",
               "mean k", "rollout share", "rollout speedup", "rollout speedup in run", "e2e speedup",
+              "e2e speedup in run",
               "response tokens vs baseline", "rollout tokens/s vs baseline", "step tokens/s vs baseline",
               f"reward last {WINDOW} ± SE",
               "reward - baseline", "within 2 SE", "train/inference KL", "drift (last)"]
     yes_no = {True: "yes", False: "no", None: "n/a"}  # n/a: the baseline itself, or too few steps for an SE
 
-    def in_run(s: dict) -> str:
-        x, se = s["rollout_speedup_in_run"], s["rollout_speedup_in_run_se"]
+    def in_run(s: dict, name: str) -> str:
+        x, se = s[f"{name}_in_run"], s[f"{name}_in_run_se"]
         if x is None:
             return "n/a"
-        return f"{x:.3g}{'' if se is None else f' ± {se:.2g}'} ({s['rollout_speedup_in_run_steps']})"
+        return f"{x:.3g}{'' if se is None else f' ± {se:.2g}'} ({s[f'{name}_in_run_steps']})"
 
     def tau_last(s: dict) -> str:
         return f"{s['tau_last']:.3g}" + ("" if s["tau_last_se"] is None else f" ± {s['tau_last_se']:.2g}")
@@ -370,7 +377,8 @@ def table(summary: list[dict], cfg: Config) -> str:
     rows = [[s["run"], s["steps"], s["tau_first"], tau_last(s),
              " / ".join("n/a" if s[k] is None else f"{s[k]:.3g}" for k in ("accept1_first", "accept1_last")),
              "n/a" if s["mean_k"] is None else s["mean_k"], s["rollout_share"],
-             s["rollout_speedup"], in_run(s), s["e2e_speedup"], s["tokens_vs_baseline"],
+             s["rollout_speedup"], in_run(s, "rollout_speedup"), s["e2e_speedup"], in_run(s, "e2e_speedup"),
+             s["tokens_vs_baseline"],
              s["rollout_tokens_per_s_vs_baseline"], s["step_tokens_per_s_vs_baseline"],
              f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f}", s["reward_diff"],
              yes_no[s["reward_within_2se"]], s["kl_train_inference"], s["drift_last"]] for s in summary]
@@ -383,9 +391,11 @@ def table(summary: list[dict], cfg: Config) -> str:
         f"model {cfg.model.path}, k {rl.num_speculative_tokens} ({'adaptive' if rl.adaptive else 'fixed'}).",
         "Every figure is measured in these runs (no estimate): speedups are the baseline's total wall-clock seconds "
         f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "
-        f"{SKIP_FIRST + 1} on; step 1 warms up and is left out); rollout share = total rollout s / total step s "
-        f"over those steps; tau = tokens per verify forward, mean over the first / last {WINDOW} steps (± the "
-        "standard error of the last steps' values: the step-to-step spread a gap between two runs must clear), "
+        f"{SKIP_FIRST + 1} on; step 1 warms up and is left out; a step's seconds leave out what measures the run: "
+        "the drift probe, the in-run plain decoding and the frozen control's scoring); rollout share = total "
+        "rollout s / total step s over those steps; tau = tokens per verify forward, mean over the first / last "
+        f"{WINDOW} steps (± the standard error of the last steps' values: the step-to-step spread a gap between "
+        "two runs must clear), "
         "which moves with the controller's k (mean k: its mean per verify forward in each step, averaged over the "
         "run's steps); accept pos 1 = the share of first draft tokens accepted, a measure of the draft alone, "
         "per-step means over the same steps. Sampled runs part ways, so their answers' lengths differ: response "
@@ -394,7 +404,12 @@ def table(summary: list[dict], cfg: Config) -> str:
         "Rollout speedup in run: on the steps in brackets, the run's own rollouts against plain decoding of the same "
         "prompts to the same row lengths timed right after each (rl.measure_speedup_every="
         f"{rl.measure_speedup_every}), total plain seconds over total speculative seconds (± the standard error of "
-        "the per-step ratios' mean): free of the runs' different answer lengths and of the minutes between runs.",
+        "the per-step ratios' mean): free of the runs' different answer lengths and of the minutes between runs. "
+        "E2e speedup in run: on those steps, each step's seconds against the same step without a draft, whose "
+        "seconds are the step's own with its rollout replaced by that plain decoding and its draft's training "
+        "(time/draft_train_s: the draft loss's forward and backward, clip, optimizer step) taken out, each part timed "
+        "in the step; the policy's update is the same work either way. Not one timed run of a draft-free step: "
+        "its parts, timed.",
         f"{REWARD_TEST}. Drift: drift/kl_step0 at its last measurement (rl.drift_every={rl.drift_every}).",
     ]
     if base["rollout_share"] < MIN_ROLLOUT_SHARE:

@@ -27,7 +27,7 @@ from codraft.config import Config, ConfigError, save_config
 
 log = logging.getLogger(__name__)
 
-MACHINE = ("time/", "rollout/", "memory/")  # metrics that measure the machine, not the run
+MACHINE = ("time/", "rollout/", "step/", "memory/")  # metrics that measure the machine, not the run
 RSS = "memory/rss_mib"
 
 

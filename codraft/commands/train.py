@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 SUMMARY = ("reward/mean", "reward/accuracy", "reward/final_answer_accuracy", "spec/acceptance_length",
            "rollout/tokens_per_s", "loss/draft", "time/step_s")
 SPEEDUP = "rollout/speedup_measured"  # logged on the steps of rl.measure_speedup_every only
+STEP_SPEEDUP = "step/speedup_measured"  # the same steps, pp = 1 (trainer.py: time/draft_train_s)
 SUMMARY_STEPS = 5  # the summary compares the means of the first and the last this many steps
 
 
@@ -47,6 +48,7 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     head: list[dict] = []
     tail: deque[dict] = deque(maxlen=SUMMARY_STEPS)
     speedups: dict[int, tuple[float, float]] = {}  # step -> (plain, speculative) rollout seconds, measured
+    step_speedups: dict[int, tuple[float, float]] = {}  # step -> (without a draft, with it) step seconds
     resumed = trainer.step if cfg.checkpoint.resume is not None else None  # later rows are dropped
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, resumed) if writer else nullcontext()
     with StopOnSignal() as stop, logger as metrics:
@@ -60,6 +62,8 @@ def train(cfg: Config, dims: ParallelDims) -> int:
             (head if len(head) < SUMMARY_STEPS else tail).append(step_metrics)
             if SPEEDUP in step_metrics:
                 speedups[trainer.step] = (step_metrics["rollout/plain_s"], step_metrics["rollout/spec_s"])
+            if STEP_SPEEDUP in step_metrics:
+                step_speedups[trainer.step] = (step_metrics["step/plain_s"], step_metrics["time/step_s"])
             live = {"reward": step_metrics["reward/mean"], "tau": step_metrics["spec/acceptance_length"],
                     "step_s": step_metrics["time/step_s"]}
             bar.set_postfix({k: f"{v:.2f}" for k, v in live.items()})
@@ -72,20 +76,23 @@ def train(cfg: Config, dims: ParallelDims) -> int:
         trainer.save()  # the last completed step, interrupted or not
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(head, list(tail)))
     if speedups:
-        log.info("%s", speedup_line(speedups))
+        log.info("%s", speedup_line(speedups, "speculative rollout vs plain decoding of the same prompts and row "
+                                               "lengths"))
+    if step_speedups:
+        log.info("%s", speedup_line(step_speedups, "training step vs the same step without a draft (its rollout "
+                                                    "decoded plainly, no draft training; each part timed in the step)"))
     if stop.signum is not None:
         log.info("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
     return stop.exit_code
 
 
-def speedup_line(speedups: dict[int, tuple[float, float]]) -> str:
-    """The run's measured rollout speedup (`run_speedup`, as `codraft bench e2e` reports it) from each measured
-    step's (plain seconds, speculative seconds), and the steps' own ratios."""
+def speedup_line(speedups: dict[int, tuple[float, float]], what: str) -> str:
+    """A measured speedup of the run (`run_speedup`, as `codraft bench e2e` reports it) from each measured step's
+    (plain seconds, speculative seconds), and the steps' own ratios."""
     run = run_speedup([plain for plain, _ in speedups.values()], [spec for _, spec in speedups.values()])
     steps = ", ".join(f"{step}: {plain / spec:.2f}x" for step, (plain, spec) in speedups.items())
-    return (f"speculative rollout vs plain decoding of the same prompts and row lengths, measured "
-            f"(rl.measure_speedup_every): {run.ratio:.2f}x (plain seconds over speculative seconds) over "
-            f"{run.steps} steps, per step mean SE {run.se:.2g}, median {run.median:.2f}x ({steps})")
+    return (f"{what}, measured (rl.measure_speedup_every): {run.ratio:.2f}x (plain seconds over speculative "
+            f"seconds) over {run.steps} steps, per step mean SE {run.se:.2g}, median {run.median:.2f}x ({steps})")
 
 
 def summary_table(head: list[dict], tail: list[dict]) -> str:

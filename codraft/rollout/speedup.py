@@ -4,6 +4,10 @@ Plain decoding of the rollout's prompts to exactly its row lengths (stop tokens 
 rollout would have needed without a draft, at the same batch size at every step (rows leave as they did), so
 the ratio of the two wall-clock times is the speedup the draft bought on this step, on this machine's state.
 At T > 0 the plain run samples other tokens, but the shape of its work is the same.
+
+The same step without a draft (`step_speedup`): its seconds with the rollout swapped for that plain rollout and
+the draft's training taken out, each part timed in the step. It compares like for like (the same prompts, row
+lengths and policy update), where two whole runs part ways: sampled answers differ between them in length.
 """
 
 from __future__ import annotations
@@ -43,3 +47,12 @@ def measured_speedup(model: Transformer, rollout: Rollout, spec_s: float, *, tem
     plain_s += repack_s
     return {"rollout/spec_s": spec_s, "rollout/plain_s": plain_s, "rollout/policy_repack_s": repack_s,
             "rollout/speedup_measured": plain_s / spec_s}
+
+
+def step_speedup(step_s: float, spec_s: float, plain_s: float, draft_train_s: float) -> dict[str, float]:
+    """A training step that took `step_s` seconds, of which `spec_s` in its speculative rollout and `draft_train_s`
+    training the draft, against the same step without a draft: plain decoding of its rollout (`plain_s`, timed
+    right after it) and the policy's update alone. The policy's update, rewards and the rest do the same work
+    with or without a draft (the draft reads the policy's detached outputs), so they are the step's own."""
+    plain_step_s = step_s - spec_s - draft_train_s + plain_s
+    return {"step/plain_s": plain_step_s, "step/speedup_measured": plain_step_s / step_s}

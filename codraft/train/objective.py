@@ -19,11 +19,13 @@ optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-p
 (metric kl/ref); the draft's loss runs its matmuls under `rl.draft_matmul_dtype` (models/autocast.py), the RL
 loss never. Given a `frozen_draft` (the run's initial draft, never updated: rl.frozen_draft_every), its loss
 metrics on the same draft batch are logged beside the trained draft's as frozen_draft/*, without gradient: the
-two drafts scored on the same tokens of the same policy.
+two drafts scored on the same tokens of the same policy. The draft term's forward seconds and the control's
+(`seconds`) are kept for the step's time accounting (trainer.py: time/draft_train_s, time/frozen_draft_s).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -63,6 +65,8 @@ class JointObjective:
         self.w_rl = rl_weights(microbatches, rl.aggregation, dims)
         self.w_draft = rl_weights(microbatches, "token-mean", dims)
         self.old_lp: dict[int, torch.Tensor] = {}
+        # wall-clock seconds over the whole update: the draft term's forward, and the frozen control's scoring
+        self.seconds = {"draft": 0.0, "frozen_draft": 0.0}
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -72,12 +76,20 @@ class JointObjective:
 
     def __call__(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """logits [tokens, V] of microbatch m's view (unpadded), taps {layer: [tokens, H]} detached -> scalar."""
-        loss = self.w_rl[m] * self._rl_loss(m, logits)
+        rl_term, draft_term = self.terms(m, logits, taps)
+        return rl_term if draft_term is None else rl_term + draft_term
+
+    def terms(self, m: int, logits: torch.Tensor, taps: dict[int, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Microbatch m's RL term and draft term (None without a trained draft), which sum to its loss. Their
+        graphs share nothing (the draft reads detached taps and logits), so each may run its own backward."""
+        rl_term = self.w_rl[m] * self._rl_loss(m, logits)
+        draft_term = None
         if self.draft is not None and self.rl.draft_weight > 0:
-            loss = loss + self.rl.draft_weight * self.w_draft[m] * self._draft_loss(m, logits, taps)
+            draft_term = self.rl.draft_weight * self.w_draft[m] * self._draft_loss(m, logits, taps)
         self.metrics["entropy"] += self.w_draft[m] * float(self.microbatches[m].view.response_entropy(
             logits.detach(), self.rl.temperature))
-        return loss
+        return rl_term, draft_term
 
     def _rl_loss(self, m: int, logits: torch.Tensor) -> torch.Tensor:
         rl, mb = self.rl, self.microbatches[m]
@@ -100,10 +112,14 @@ class JointObjective:
             # would switch the borrowed policy head to its packed inference copy (DraftModel.policy_head), another
             # precision than the trained draft's; nothing here requires grad, so no graph is built.
             cuda = [logits.device] if logits.device.type == "cuda" else []
+            start = time.perf_counter()
             with torch.random.fork_rng(devices=cuda), training_autocast(self.frozen_draft, self.rl.draft_matmul_dtype):
                 _, frozen = self.frozen_draft.loss(batch)
+            self.seconds["frozen_draft"] += time.perf_counter() - start
+        start = time.perf_counter()
         with training_autocast(self.draft, self.rl.draft_matmul_dtype):
             loss, metrics = self.draft.loss(batch)
+        self.seconds["draft"] += time.perf_counter() - start
         if not torch.isfinite(loss):  # a broken draft may cost acceptance, never the policy
             self.skipped_draft += 1
             return loss.new_zeros(())

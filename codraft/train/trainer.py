@@ -52,7 +52,7 @@ from codraft.rl.reward_guard import RewardGuard
 from codraft.rl.rewards import answer_correct, load_reward_fn, score
 from codraft.rl.tasks import build_task
 from codraft.rollout import Rollout, SpeculationController, generate
-from codraft.rollout.speedup import measured_speedup
+from codraft.rollout.speedup import measured_speedup, step_speedup
 from codraft.train.checkpoint import load_policy_state, save_checkpoint
 from codraft.train.objective import JointObjective
 from codraft.train.optimizers import build_optimizer
@@ -119,6 +119,7 @@ class Trainer:
         )
         self.step = 0
         self.skipped_draft_steps = 0
+        self.draft_seconds = {"draft": 0.0, "frozen_draft": 0.0}  # of the latest update (_draft_time)
         if cfg.checkpoint.resume is not None:
             self._resume()
 
@@ -154,8 +155,13 @@ class Trainer:
 
         # 4-7. forward/backward of the joint objective -> clip -> optimizer steps
         t_train = time.perf_counter()
+        self.draft_seconds = {"draft": 0.0, "frozen_draft": 0.0}  # added up where the draft's work runs
         train_metrics = self._update(rollout, rows, advantages, keep) if bool(keep.any()) else {}
         t_train = time.perf_counter() - t_train
+        draft_time = self._draft_time()
+        # the frozen control's scoring measures the run, as the drift probe does: not part of the step
+        t_train -= draft_time.get("time/frozen_draft_s", 0.0)
+        t_step += draft_time.get("time/frozen_draft_s", 0.0)
 
         # 8. refit the rollout engine's weights (pp = 1: it decodes with the trained modules themselves)
         t_refit = time.perf_counter()
@@ -192,10 +198,22 @@ class Trainer:
             "draft/skipped_steps": float(self.skipped_draft_steps),
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
-        metrics |= speedup  # measured on this step, or nothing
+        metrics |= speedup | draft_time  # measured on this step, or nothing
+        if speedup and "time/draft_train_s" in draft_time:
+            metrics |= step_speedup(metrics["time/step_s"], speedup["rollout/spec_s"], speedup["rollout/plain_s"],
+                                    draft_time["time/draft_train_s"])
         if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
             metrics |= self.drift.measure(self.policy)
         return average_metrics(metrics | train_metrics, self.dims)
+
+    def _draft_time(self) -> dict[str, float]:
+        """The update's seconds on the draft: time/draft_train_s (its loss's forward and backward, clip and optimizer
+        step) and time/frozen_draft_s (the control's scoring, on the steps of rl.frozen_draft_every). At pp = 1
+        only: under PP the draft's backward runs inside the pipeline schedule, beside the other stages' work."""
+        if self.draft is None or self.dims.pp > 1:
+            return {}
+        return {"time/draft_train_s": self.draft_seconds["draft"],
+                "time/frozen_draft_s": self.draft_seconds["frozen_draft"]}
 
     def _rollout(self, rows: list[list[int]]) -> tuple[Rollout, dict[str, float]]:
         """The step's rollout with the current policy and draft; on the steps of rl.measure_speedup_every, also
@@ -249,7 +267,11 @@ class Trainer:
                 if channel is not None:
                     channel.reset()
                 if metrics is None:  # a non-finite RL loss: the rest of the update is skipped
-                    return {"loss/policy": float("nan")}
+                    metrics = {"loss/policy": float("nan")}
+                    break
+        if objective is not None:
+            self.draft_seconds["draft"] += objective.seconds["draft"]
+            self.draft_seconds["frozen_draft"] += objective.seconds["frozen_draft"]
         return metrics
 
     def _optimizer_step(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
@@ -267,7 +289,9 @@ class Trainer:
         if objective is not None:  # the last stage: the loss's metrics, and the draft's clip (its gradients live here)
             metrics = sum_metrics({k: float(v) for k, v in objective.metrics.items()}, dims)
             if self.draft_opt is not None:
+                start = time.perf_counter()
                 metrics["grad_norm/draft"] = clip_grad_norm_(self.draft.parameters(), o.draft_grad_clip)
+                self.draft_seconds["draft"] += time.perf_counter() - start
             if objective.skipped_draft:
                 log.warning("non-finite draft loss at step %d (%d microbatches): left out of the draft update",
                             self.step, objective.skipped_draft)
@@ -284,9 +308,12 @@ class Trainer:
         metrics["grad_norm/policy"] = self._clip_policy(o.grad_clip)
         for opt, sched in ((self.policy_opt, self.policy_sched), (self.draft_opt, self.draft_sched)):
             if opt is not None:
+                start = time.perf_counter()
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
+                if opt is self.draft_opt:
+                    self.draft_seconds["draft"] += time.perf_counter() - start
         return metrics
 
     def _forward_backward(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
@@ -302,9 +329,15 @@ class Trainer:
                 out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps,
                                  logit_rows=meta.logit_rows)
             taps = {layer: t[0].detach() for layer, t in out.taps.items()}  # [T, H]: the draft reads, never writes
-            loss = objective(0, out.logits[0], taps)
-            if loss.requires_grad:  # not when the RL loss was non-finite and there is no draft term
-                loss.backward()
+            rl_term, draft_term = objective.terms(0, out.logits[0], taps)
+            # one backward per term (their graphs are disjoint: the same gradients as one over their sum), so the
+            # draft's share is timed; a term without a graph (non-finite, no draft) has nothing to propagate
+            if draft_term is not None and draft_term.requires_grad:
+                start = time.perf_counter()
+                draft_term.backward()
+                self.draft_seconds["draft"] += time.perf_counter() - start
+            if rl_term.requires_grad:
+                rl_term.backward()
             return
         module = StageModule(self.stage, dims.pp_rank, dims.pp, self.taps, channel,
                              self.draft if dims.is_last_stage else None, objective, self.cfg.rl.policy_matmul_dtype)

@@ -90,6 +90,20 @@ def test_the_in_run_rollout_speedup_weighs_each_measured_step_by_its_seconds():
     assert s["baseline"]["rollout_speedup_in_run"] is None and s["baseline"]["rollout_speedup_in_run_se"] is None
 
 
+def test_the_in_run_e2e_speedup_is_the_draft_free_steps_seconds_over_the_run_s():
+    """Two measured steps of 10 s and 5 s whose draft-free versions took 12 s and 5.5 s: 17.5 / 15."""
+    rows = records(6)
+    rows[2] |= {"rollout/speedup_measured": 1.5, "rollout/spec_s": 4.0, "rollout/plain_s": 6.0,
+                "time/step_s": 10.0, "step/plain_s": 12.0, "step/speedup_measured": 1.2}
+    rows[4] |= {"rollout/speedup_measured": 1.5, "rollout/spec_s": 1.0, "rollout/plain_s": 1.5,
+                "time/step_s": 5.0, "step/plain_s": 5.5, "step/speedup_measured": 1.1}
+    rows[5] |= {"rollout/speedup_measured": 1.5, "rollout/spec_s": 1.0, "rollout/plain_s": 1.5}  # no draft timing
+    s = by_run(e2e.summarize({"baseline": records(6), "eagle3": rows}))["eagle3"]
+    assert s["e2e_speedup_in_run"] == pytest.approx(17.5 / 15)
+    assert s["e2e_speedup_in_run_se"] == pytest.approx(statistics.stdev([1.2, 1.1]) / math.sqrt(2))
+    assert s["e2e_speedup_in_run_steps"] == 2 and s["rollout_speedup_in_run_steps"] == 3
+
+
 def test_reward_is_compared_within_two_combined_standard_errors():
     wobble = lambda mean: lambda i: mean + (0.1 if i % 2 else -0.1)  # noqa: E731
     history = {"baseline": records(20, reward=wobble(0.5)), "same": records(20, reward=wobble(0.52)),
@@ -122,10 +136,11 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert header.startswith("| run | steps | tau first 10 | tau last 10 ± SE | accept pos 1 first / last 10 | "
                              "mean k | rollout share | rollout speedup |")
     # first-position acceptance only in the first two records (none in the last 10), no k: n/a where none
+    # no draft training timed in these records: no in-run e2e speedup
     assert dspark.startswith("| dspark | 12 | 2.45 | 2.65 ± 0.096 | 0.6 / n/a | n/a | 0.143 | 2 | 1.22 ± 0.1 (2) "
-                             "| 1.14 | 1 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
-    assert baseline.split(" | ")[15] == "n/a"  # the baseline is the reference of the reward test
-    assert baseline.split(" | ")[8] == "n/a"  # no draft, no in-run measurement
+                             "| 1.14 | n/a | 1 | 2 | 1.14 | 0.500 ± 0.000 | 0 | yes |")
+    assert baseline.split(" | ")[16] == "n/a"  # the baseline is the reference of the reward test
+    assert baseline.split(" | ")[8] == baseline.split(" | ")[10] == "n/a"  # no draft, no in-run measurement
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
     assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound

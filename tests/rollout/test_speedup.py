@@ -1,5 +1,6 @@
 """The measured rollout speedup (rollout/speedup.py): plain decoding of the same rows to the same lengths,
-a ratio of two timings and nothing else, wired into the trainer without changing its training."""
+a ratio of two timings and nothing else, wired into the trainer without changing its training; and the step's
+speedup over the same step without a draft, from the step's timed parts."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from codraft.models import linear as linear_module
 from codraft.rollout import Rollout, RolloutStats, generate
 from codraft.rollout import speedup as speedup_module
 from codraft.rollout.drafters import NgramDrafter
-from codraft.rollout.speedup import measured_speedup, plain_like
+from codraft.rollout.speedup import measured_speedup, plain_like, step_speedup
 from codraft.train.trainer import Trainer
 from tests.rollout.conftest import tiny_model
 from tests.train.test_trainer import TINY, deterministic
@@ -78,7 +79,29 @@ def test_trainer_measures_every_n_steps_without_changing_the_training(tmp_path):
         assert deterministic(a) == pytest.approx(deterministic(b), rel=0, abs=0, nan_ok=True)
 
 
+def test_the_step_without_a_draft_swaps_the_rollout_for_plain_decoding_and_drops_the_draft_s_training():
+    # a 10 s step: 4 s of speculative rollout, 0.5 s training the draft; plain decoding took 6 s
+    assert step_speedup(10.0, 4.0, 6.0, 0.5) == {"step/plain_s": 11.5, "step/speedup_measured": 1.15}
+
+
+def test_the_trainer_times_the_draft_s_training_and_reports_the_step_speedup_on_measured_steps(tmp_path):
+    cfg = load_config(None, [*TINY, "draft.family=eagle3", "rl.measure_speedup_every=2", "rl.drift_every=0",
+                             "rl.frozen_draft_every=2", f"run.dir={tmp_path}"])
+    trainer = Trainer(cfg, tmp_path)
+    steps = [trainer.train_step() for _ in range(4)]
+    assert ["step/speedup_measured" in m for m in steps] == [False, True, False, True]
+    for m in steps:
+        assert 0 < m["time/draft_train_s"] < m["time/train_s"] < m["time/step_s"]
+    # the frozen control is scored on steps 2 and 4, outside the step's seconds
+    assert [m["time/frozen_draft_s"] > 0 for m in steps] == [False, True, False, True]
+    for m in steps[1], steps[3]:
+        parts = m["time/step_s"] - m["rollout/spec_s"] - m["time/draft_train_s"] + m["rollout/plain_s"]
+        assert m["step/plain_s"] == pytest.approx(parts, rel=1e-12)
+        assert m["step/speedup_measured"] == pytest.approx(m["step/plain_s"] / m["time/step_s"], rel=1e-12)
+
+
 def test_no_measurement_without_a_draft(tmp_path):
     cfg = load_config(None, [*TINY, "draft.family=none", "rl.measure_speedup_every=1", "rl.drift_every=0",
                              f"run.dir={tmp_path}"])
-    assert "rollout/speedup_measured" not in Trainer(cfg, tmp_path).train_step()
+    metrics = Trainer(cfg, tmp_path).train_step()
+    assert not {"rollout/speedup_measured", "step/speedup_measured", "time/draft_train_s"} & set(metrics)

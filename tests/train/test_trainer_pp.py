@@ -108,8 +108,11 @@ def test_codraft_train_pp2_writes_every_metric_of_a_pp1_run(tmp_path, parallel):
         assert rows["pp2"][0][key] == pytest.approx(rows["pp1"][0][key], rel=1e-4, abs=1e-6), key  # same rollout
     # the initial draft, scored on the last stage beside the trained one: the same weights at step 1
     assert rows["pp2"][0]["frozen_draft/loss"] == pytest.approx(rows["pp2"][0]["loss/draft"], rel=1e-6)
+    # the draft's training is timed at pp = 1 only (trainer.py, _draft_time): under PP its backward runs inside the
+    # pipeline schedule
+    pp1_only = {"time/draft_train_s", "time/frozen_draft_s"}
     for r1, r2 in zip(rows["pp1"], rows["pp2"], strict=True):
-        assert r2.keys() == r1.keys()
+        assert r2.keys() == r1.keys() - pp1_only and pp1_only <= r1.keys()
         assert r2["loss/policy"] is not None and r2["loss/draft"] is not None
     ckpt = tmp_path / "pp2" / "checkpoints"
     assert (ckpt / (ckpt / "latest").read_text() / "policy.safetensors").is_file()
