@@ -77,22 +77,23 @@ def train(cfg: Config, dims: ParallelDims) -> int:
     log.info("summary (first -> last 5 steps mean):\n%s", summary_table(head, list(tail)))
     if speedups:
         log.info("%s", speedup_line(speedups, "speculative rollout vs plain decoding of the same prompts and row "
-                                               "lengths"))
+                                              "lengths", "plain seconds over speculative seconds"))
     if step_speedups:
         log.info("%s", speedup_line(step_speedups, "training step vs the same step without a draft (its rollout "
-                                                    "decoded plainly, no draft training; each part timed in the step)"))
+                                                   "decoded plainly, no draft training; each part timed in the step)",
+                                    "seconds without a draft over the step's seconds"))
     if stop.signum is not None:
         log.info("stopped after step %d; continue with: codraft train --resume %s", trainer.step, run_dir)
     return stop.exit_code
 
 
-def speedup_line(speedups: dict[int, tuple[float, float]], what: str) -> str:
+def speedup_line(speedups: dict[int, tuple[float, float]], what: str, ratio: str) -> str:
     """A measured speedup of the run (`run_speedup`, as `codraft bench e2e` reports it) from each measured step's
-    (plain seconds, speculative seconds), and the steps' own ratios."""
+    (seconds without speculation, seconds with it), and the steps' own ratios; `ratio` says what it divides."""
     run = run_speedup([plain for plain, _ in speedups.values()], [spec for _, spec in speedups.values()])
     steps = ", ".join(f"{step}: {plain / spec:.2f}x" for step, (plain, spec) in speedups.items())
-    return (f"{what}, measured (rl.measure_speedup_every): {run.ratio:.2f}x (plain seconds over speculative "
-            f"seconds) over {run.steps} steps, per step mean SE {run.se:.2g}, median {run.median:.2f}x ({steps})")
+    return (f"{what}, measured (rl.measure_speedup_every): {run.ratio:.2f}x ({ratio}) over {run.steps} steps, "
+            f"per step mean SE {run.se:.2g}, median {run.median:.2f}x ({steps})")
 
 
 def summary_table(head: list[dict], tail: list[dict]) -> str:

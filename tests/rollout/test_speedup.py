@@ -2,9 +2,12 @@
 a ratio of two timings and nothing else, wired into the trainer without changing its training; and the step's
 speedup over the same step without a draft, from the step's timed parts."""
 
+import logging
+
 import pytest
 import torch
 
+from codraft.cli import main
 from codraft.config import load_config
 from codraft.models import linear as linear_module
 from codraft.rollout import Rollout, RolloutStats, generate
@@ -98,6 +101,15 @@ def test_the_trainer_times_the_draft_s_training_and_reports_the_step_speedup_on_
         parts = m["time/step_s"] - m["rollout/spec_s"] - m["time/draft_train_s"] + m["rollout/plain_s"]
         assert m["step/plain_s"] == pytest.approx(parts, rel=1e-12)
         assert m["step/speedup_measured"] == pytest.approx(m["step/plain_s"] / m["time/step_s"], rel=1e-12)
+
+
+def test_codraft_train_closes_with_both_measured_speedups(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="codraft.commands.train")
+    assert main(["train", *TINY, "draft.family=eagle3", "rl.steps=2", "rl.measure_speedup_every=1", "rl.drift_every=0",
+                 f"run.dir={tmp_path}"]) == 0
+    rollout = next(r.message for r in caplog.records if r.message.startswith("speculative rollout vs plain"))
+    step = next(r.message for r in caplog.records if r.message.startswith("training step vs the same step"))
+    assert "over 2 steps" in rollout and "over 2 steps" in step and "(seconds without a draft over the step's" in step
 
 
 def test_no_measurement_without_a_draft(tmp_path):
