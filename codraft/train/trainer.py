@@ -198,8 +198,8 @@ class Trainer:
             "draft/skipped_steps": float(self.skipped_draft_steps),
         }
         metrics |= {f"spec/accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rate_per_position)}
-        metrics |= speedup | draft_time  # measured on this step, or nothing
-        if speedup and "time/draft_train_s" in draft_time:
+        metrics |= speedup | draft_time  # speedup: measured on this step, or nothing
+        if speedup and "time/draft_train_s" in draft_time:  # the whole step against itself without a draft
             metrics |= step_speedup(metrics["time/step_s"], speedup["rollout/spec_s"], speedup["rollout/plain_s"],
                                     draft_time["time/draft_train_s"])
         if self.drift is not None and self.step % rl.drift_every == 0:  # outside time/step_s: not part of the step
