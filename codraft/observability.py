@@ -9,7 +9,8 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,16 @@ def progress(iterable_or_total: Iterable[Any] | int, desc: str = "", *, force: b
     if isinstance(iterable_or_total, int):
         return bar(total=iterable_or_total, **kwargs)
     return bar(iterable_or_total, **kwargs)
+
+
+@contextmanager
+def timed(seconds: dict[str, float], key: str) -> Iterator[None]:
+    """Add the wall-clock seconds of the block to seconds[key]."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - start
 
 
 def prepare_run_dir(cfg: Any, command: str) -> Path:

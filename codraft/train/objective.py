@@ -19,13 +19,13 @@ optimizer steps on the same batch; with rl.beta > 0 the frozen reference's log-p
 (metric kl/ref); the draft's loss runs its matmuls under `rl.draft_matmul_dtype` (models/autocast.py), the RL
 loss never. Given a `frozen_draft` (the run's initial draft, never updated: rl.frozen_draft_every), its loss
 metrics on the same draft batch are logged beside the trained draft's as frozen_draft/*, without gradient: the
-two drafts scored on the same tokens of the same policy. The draft term's forward seconds and the control's
-(`seconds`) are kept for the step's time accounting (trainer.py: time/draft_train_s, time/frozen_draft_s).
+two drafts scored on the same tokens of the same policy. `seconds` adds up the update's wall-clock time on the draft
+(its term's forward here; the trainer adds its backward, clip and optimizer step) and on the control's scoring: the
+step's time accounting (trainer.py: time/draft_train_s, time/frozen_draft_s).
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from codraft.config import RLConfig
 from codraft.drafts import DraftModel
 from codraft.models.autocast import training_autocast
+from codraft.observability import timed
 from codraft.parallel.collectives import sum_over_replicas
 from codraft.parallel.mesh import ParallelDims
 from codraft.rl.batch import Microbatch, per_sequence
@@ -65,8 +66,7 @@ class JointObjective:
         self.w_rl = rl_weights(microbatches, rl.aggregation, dims)
         self.w_draft = rl_weights(microbatches, "token-mean", dims)
         self.old_lp: dict[int, torch.Tensor] = {}
-        # wall-clock seconds over the whole update: the draft term's forward, and the frozen control's scoring
-        self.seconds = {"draft": 0.0, "frozen_draft": 0.0}
+        self.seconds = {"draft": 0.0, "frozen_draft": 0.0}  # over the whole update (module docstring)
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -112,14 +112,11 @@ class JointObjective:
             # would switch the borrowed policy head to its packed inference copy (DraftModel.policy_head), another
             # precision than the trained draft's; nothing here requires grad, so no graph is built.
             cuda = [logits.device] if logits.device.type == "cuda" else []
-            start = time.perf_counter()
-            with torch.random.fork_rng(devices=cuda), training_autocast(self.frozen_draft, self.rl.draft_matmul_dtype):
+            with (timed(self.seconds, "frozen_draft"), torch.random.fork_rng(devices=cuda),
+                  training_autocast(self.frozen_draft, self.rl.draft_matmul_dtype)):
                 _, frozen = self.frozen_draft.loss(batch)
-            self.seconds["frozen_draft"] += time.perf_counter() - start
-        start = time.perf_counter()
-        with training_autocast(self.draft, self.rl.draft_matmul_dtype):
+        with timed(self.seconds, "draft"), training_autocast(self.draft, self.rl.draft_matmul_dtype):
             loss, metrics = self.draft.loss(batch)
-        self.seconds["draft"] += time.perf_counter() - start
         if not torch.isfinite(loss):  # a broken draft may cost acceptance, never the policy
             self.skipped_draft += 1
             return loss.new_zeros(())

@@ -15,3 +15,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_deca
                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup(warmup_steps))
+
+
+def step_and_zero(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """One optimizer step, its schedule's step, gradients cleared."""
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)

@@ -26,6 +26,7 @@ from codraft.config import Config, ConfigError
 from codraft.distill.warm_start import initial_draft
 from codraft.models import load_policy
 from codraft.models.autocast import training_autocast
+from codraft.observability import timed
 from codraft.parallel.collectives import (
     all_agree,
     average_metrics,
@@ -55,7 +56,7 @@ from codraft.rollout import Rollout, SpeculationController, generate
 from codraft.rollout.speedup import measured_speedup, step_speedup
 from codraft.train.checkpoint import load_policy_state, save_checkpoint
 from codraft.train.objective import JointObjective
-from codraft.train.optimizers import build_optimizer
+from codraft.train.optimizers import build_optimizer, step_and_zero
 from codraft.train.reference import build_reference, reference_logprobs
 from codraft.train.resume import load_resumable, resume_sections
 
@@ -119,7 +120,7 @@ class Trainer:
         )
         self.step = 0
         self.skipped_draft_steps = 0
-        self.draft_seconds = {"draft": 0.0, "frozen_draft": 0.0}  # of the latest update (_draft_time)
+        self.update_seconds: dict[str, float] = {}  # the step's JointObjective.seconds; {} without one on this rank
         if cfg.checkpoint.resume is not None:
             self._resume()
 
@@ -155,7 +156,7 @@ class Trainer:
 
         # 4-7. forward/backward of the joint objective -> clip -> optimizer steps
         t_train = time.perf_counter()
-        self.draft_seconds = {"draft": 0.0, "frozen_draft": 0.0}  # added up where the draft's work runs
+        self.update_seconds = {}
         train_metrics = self._update(rollout, rows, advantages, keep) if bool(keep.any()) else {}
         t_train = time.perf_counter() - t_train
         draft_time = self._draft_time()
@@ -207,13 +208,14 @@ class Trainer:
         return average_metrics(metrics | train_metrics, self.dims)
 
     def _draft_time(self) -> dict[str, float]:
-        """The update's seconds on the draft: time/draft_train_s (its loss's forward and backward, clip and optimizer
-        step) and time/frozen_draft_s (the control's scoring, on the steps of rl.frozen_draft_every). At pp = 1
-        only: under PP the draft's backward runs inside the pipeline schedule, beside the other stages' work."""
+        """The update's seconds on the draft (`update_seconds`): time/draft_train_s (its
+        loss's forward and backward, clip and optimizer step) and time/frozen_draft_s (the control's scoring, on the
+        steps of rl.frozen_draft_every). At pp = 1 only: under PP the draft's backward runs inside the pipeline
+        schedule, beside the other stages' work."""
         if self.draft is None or self.dims.pp > 1:
             return {}
-        return {"time/draft_train_s": self.draft_seconds["draft"],
-                "time/frozen_draft_s": self.draft_seconds["frozen_draft"]}
+        return {"time/draft_train_s": self.update_seconds.get("draft", 0.0),
+                "time/frozen_draft_s": self.update_seconds.get("frozen_draft", 0.0)}
 
     def _rollout(self, rows: list[list[int]]) -> tuple[Rollout, dict[str, float]]:
         """The step's rollout with the current policy and draft; on the steps of rl.measure_speedup_every, also
@@ -242,7 +244,8 @@ class Trainer:
         return rollout, measured_speedup(self.policy, rollout, spec_s, seed=seed, **sampling)
 
     def _update(self, rollout, rows: list[list[int]], advantages: torch.Tensor, keep: torch.Tensor) -> dict:
-        """rl.optimizer_steps_per_batch optimizer steps on this rank's microbatches of the kept sequences."""
+        """rl.optimizer_steps_per_batch optimizer steps on this rank's microbatches of the kept sequences; on the
+        last stage its objective's seconds on the draft are `update_seconds`."""
         dims, rl = self.dims, self.cfg.rl
         idx = keep.nonzero().flatten().tolist()
         n_mb = min(self.n_microbatches, len(idx))
@@ -260,6 +263,8 @@ class Trainer:
         every = rl.frozen_draft_every
         frozen = self.frozen_draft if every and (self.step + 1) % every == 0 else None  # steps N, 2N, ...
         objective = JointObjective(rl, self.draft, mbs, dims, ref_lp, frozen) if last else None
+        if objective is not None:
+            self.update_seconds = objective.seconds
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:
             for _ in range(rl.optimizer_steps_per_batch):
@@ -267,11 +272,7 @@ class Trainer:
                 if channel is not None:
                     channel.reset()
                 if metrics is None:  # a non-finite RL loss: the rest of the update is skipped
-                    metrics = {"loss/policy": float("nan")}
-                    break
-        if objective is not None:
-            self.draft_seconds["draft"] += objective.seconds["draft"]
-            self.draft_seconds["frozen_draft"] += objective.seconds["frozen_draft"]
+                    return {"loss/policy": float("nan")}
         return metrics
 
     def _optimizer_step(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
@@ -289,9 +290,8 @@ class Trainer:
         if objective is not None:  # the last stage: the loss's metrics, and the draft's clip (its gradients live here)
             metrics = sum_metrics({k: float(v) for k, v in objective.metrics.items()}, dims)
             if self.draft_opt is not None:
-                start = time.perf_counter()
-                metrics["grad_norm/draft"] = clip_grad_norm_(self.draft.parameters(), o.draft_grad_clip)
-                self.draft_seconds["draft"] += time.perf_counter() - start
+                with timed(objective.seconds, "draft"):
+                    metrics["grad_norm/draft"] = clip_grad_norm_(self.draft.parameters(), o.draft_grad_clip)
             if objective.skipped_draft:
                 log.warning("non-finite draft loss at step %d (%d microbatches): left out of the draft update",
                             self.step, objective.skipped_draft)
@@ -306,14 +306,10 @@ class Trainer:
                 module_.zero_grad(set_to_none=True)
             return None
         metrics["grad_norm/policy"] = self._clip_policy(o.grad_clip)
-        for opt, sched in ((self.policy_opt, self.policy_sched), (self.draft_opt, self.draft_sched)):
-            if opt is not None:
-                start = time.perf_counter()
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
-                if opt is self.draft_opt:
-                    self.draft_seconds["draft"] += time.perf_counter() - start
+        step_and_zero(self.policy_opt, self.policy_sched)
+        if self.draft_opt is not None:  # the last stage, where the objective is
+            with timed(objective.seconds, "draft"):
+                step_and_zero(self.draft_opt, self.draft_sched)
         return metrics
 
     def _forward_backward(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
@@ -333,9 +329,8 @@ class Trainer:
             # one backward per term (their graphs are disjoint: the same gradients as one over their sum), so the
             # draft's share is timed; a term without a graph (non-finite, no draft) has nothing to propagate
             if draft_term is not None and draft_term.requires_grad:
-                start = time.perf_counter()
-                draft_term.backward()
-                self.draft_seconds["draft"] += time.perf_counter() - start
+                with timed(objective.seconds, "draft"):
+                    draft_term.backward()
             if rl_term.requires_grad:
                 rl_term.backward()
             return
