@@ -244,6 +244,9 @@ class RLConfig:
     # the policy's training forward (its head stays at the weights' precision): 0.71-0.74x the update's time on this
     # project's AMX CPU; float32 (default) keeps its gradients, and layouts' match with one process, exact
     policy_matmul_dtype: Literal["auto", "float32", "bfloat16"] = "float32"  # policy's training matmuls, head excepted
+    # the policy's training forward runs each group's prompt once, its answers attending to it (pp = 1, cp = 1;
+    # models/shared_prefix.py): the same losses and gradients to rounding, fewer tokens through the layers
+    share_prompts: bool = True
     num_speculative_tokens: int = 4
     adaptive: bool = True  # timing-driven k: faster, but runs are then not bitwise reproducible
     verification: Verification = "block"  # how rollouts judge a chain of drafts; both lossless (rollout/verify.py)

@@ -253,10 +253,10 @@ class Transformer(nn.Module):
                 tapped[int(name)] = ctx.expand(x)
         logits = None
         if self.lm_head is not None and compute_logits:
-            logits = ctx.expand(self.logits(x)) if logit_rows is None else self._logits_at(x, logit_rows)
+            logits = ctx.expand(self.logits(x)) if logit_rows is None else self.logits_at(x, logit_rows)
         return ModelOutput(logits=logits, hidden=ctx.expand(x), taps=tapped)
 
-    def _logits_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def logits_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Logits [B, S, V] of states x [B, S, H] computed at positions `rows` along S, zero elsewhere."""
         part = self.logits(x.index_select(1, rows))  # [B, R, V]
         return part.new_zeros(*x.shape[:2], part.shape[-1]).index_copy(1, rows, part)

@@ -26,6 +26,7 @@ from codraft.config import Config, ConfigError
 from codraft.distill.warm_start import initial_draft
 from codraft.models import load_policy
 from codraft.models.autocast import training_autocast
+from codraft.models.shared_prefix import SharedPrefixLayout, shared_prefix_forward, shared_prefix_layout
 from codraft.observability import timed
 from codraft.parallel.collectives import (
     all_agree,
@@ -265,10 +266,14 @@ class Trainer:
         objective = JointObjective(rl, self.draft, mbs, dims, ref_lp, frozen) if last else None
         if objective is not None:
             self.update_seconds = objective.seconds
+        # pp = 1, cp = 1: each group's prompt runs once in the policy's forward (models/shared_prefix.py)
+        shared = None
+        if rl.share_prompts and dims.pp == 1 and dims.cp == 1:
+            shared = shared_prefix_layout([rows[i] for i in idx], [rollout.tokens[i] for i in idx], self.device)
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:
             for _ in range(rl.optimizer_steps_per_batch):
-                metrics = self._optimizer_step(objective, mbs, ids, channel)
+                metrics = self._optimizer_step(objective, mbs, ids, channel, shared)
                 if channel is not None:
                     channel.reset()
                 if metrics is None:  # a non-finite RL loss: the rest of the update is skipped
@@ -276,13 +281,13 @@ class Trainer:
         return metrics
 
     def _optimizer_step(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
-                        channel: TapChannel | None) -> dict | None:
+                        channel: TapChannel | None, shared: SharedPrefixLayout | None = None) -> dict | None:
         """Forward + backward over all microbatches, gradients reduced and clipped, optimizer steps. Returns the
         step's metrics (the same on every rank), None when the RL loss was not finite and nothing stepped."""
         dims, o = self.dims, self.cfg.optim
         if objective is not None:
             objective.reset_metrics()
-        self._forward_backward(objective, mbs, ids, channel)
+        self._forward_backward(objective, mbs, ids, channel, shared)
         if dims.pp > 1:
             sum_tied_grads(self.stage, dims.pp_group)
         reduce_gradients(self.trained, dims)
@@ -313,17 +318,20 @@ class Trainer:
         return metrics
 
     def _forward_backward(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
-                          channel: TapChannel | None) -> None:
+                          channel: TapChannel | None, shared: SharedPrefixLayout | None = None) -> None:
         """The one layout branch. pp = 1: the one microbatch (the whole batch, or this rank's CP share) through
-        the policy, its loss, backward. PP: the pipeline schedule runs every microbatch's forward and backward,
+        the policy (with `shared`, laid out with each group's prompt once), its loss, backward. PP: the pipeline schedule runs every microbatch's forward and backward,
         the objective on the last stage (gradients accumulate unscaled: the objective weights each microbatch
         by its share of the batch)."""
         dims = self.dims
         if dims.pp == 1:
             meta = mbs[0].meta
             with training_autocast(self.stage, self.cfg.rl.policy_matmul_dtype):
-                out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps,
-                                 logit_rows=meta.logit_rows)
+                if shared is not None:
+                    out = shared_prefix_forward(self.stage, shared, self.taps, meta.logit_rows)
+                else:
+                    out = self.stage(ids, positions=meta.positions, cu_seqlens=meta.cu_seqlens, taps=self.taps,
+                                     logit_rows=meta.logit_rows)
             taps = {layer: t[0].detach() for layer, t in out.taps.items()}  # [T, H]: the draft reads, never writes
             rl_term, draft_term = objective.terms(0, out.logits[0], taps)
             # one backward per term (their graphs are disjoint: the same gradients as one over their sum), so the

@@ -162,11 +162,27 @@ def test_bf16_draft_matmuls_in_co_training_keep_the_policy_gradient_and_the_draf
 
 @pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
 @pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
+def test_prompts_run_once_per_group_give_the_rows_gradients(tmp_path, family):
+    """rl.share_prompts (models/shared_prefix.py): the step's policy and draft gradients are those of the rows
+    laid out one by one, to rounding."""
+    grads = {}
+    for share in (True, False):
+        cfg = load_config(None, [*TINY, f"draft.family={family}", f"rl.share_prompts={share}", "rl.drift_every=0",
+                                 "rl.draft_matmul_dtype=float32",
+                                 "rl.measure_speedup_every=0", f"run.dir={tmp_path / str(share)}"])
+        grads[share] = step_grads(cfg, tmp_path / str(share))
+    assert grads[True].keys() == grads[False].keys() and any(k.startswith("draft.") for k in grads[True])
+    for name, rows_grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], rows_grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.filterwarnings(r"ignore:Seems like `optimizer.step\(\)`")
+@pytest.mark.parametrize("family", ["eagle3", "dflash", "dspark"])
 def test_the_head_on_response_rows_only_gives_the_full_head_s_gradients(tmp_path, family, monkeypatch):
     cfg = load_config(None, [*TINY, f"draft.family={family}", "rl.drift_every=0", "rl.measure_speedup_every=0",
                              f"run.dir={tmp_path}"])
     rows_only = step_grads(cfg, tmp_path)
-    monkeypatch.setattr(Transformer, "_logits_at", lambda self, x, rows: self.logits(x))  # every row, as before
+    monkeypatch.setattr(Transformer, "logits_at", lambda self, x, rows: self.logits(x))  # every row, as before
     full = step_grads(cfg, tmp_path)
     assert rows_only.keys() == full.keys() and any(k.startswith("draft.") for k in full)
     for name in full:
