@@ -320,9 +320,9 @@ class Trainer:
     def _forward_backward(self, objective: JointObjective | None, mbs: list[Microbatch], ids: torch.Tensor,
                           channel: TapChannel | None, shared: SharedPrefixLayout | None = None) -> None:
         """The one layout branch. pp = 1: the one microbatch (the whole batch, or this rank's CP share) through
-        the policy (with `shared`, laid out with each group's prompt once), its loss, backward. PP: the pipeline schedule runs every microbatch's forward and backward,
-        the objective on the last stage (gradients accumulate unscaled: the objective weights each microbatch
-        by its share of the batch)."""
+        the policy (with `shared`, laid out with each group's prompt once), its loss, backward. PP: the pipeline
+        schedule runs every microbatch's forward and backward, the objective on the last stage (gradients
+        accumulate unscaled: the objective weights each microbatch by its share of the batch)."""
         dims = self.dims
         if dims.pp == 1:
             meta = mbs[0].meta
