@@ -32,17 +32,27 @@ class SharedPrefixLayout:
     input_ids: torch.Tensor  # [1, T'] each group's prompt, then its rows' completions
     positions: torch.Tensor  # [1, T'] a token's position in its own row (rotary)
     cu_seqlens: torch.Tensor  # [G + 1] one span per group
-    masks: list[torch.Tensor]  # per group [L, L] bool: which keys each query sees
+    prompt_lengths: list[int]  # [G]
+    answer_lengths: list[list[int]]  # [G][rows of the group]
     gather: torch.Tensor  # [T] for each token of the rows' packed layout, its index in this one
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """`Attention.packed_attention` over this layout: q [T', H, D], k/v [T', Hkv, D] -> [T', H, D]."""
+        """`Attention.packed_attention` over this layout: q [T', H, D], k/v [T', Hkv, D] -> [T', H, D]. Per group the
+        prompt attends causally, then each answer attends to [prompt, itself]: the keys each row saw, under a mask
+        per answer (its tokens x those keys), none over the whole group."""
         out = torch.empty_like(q)
-        bounds = cu_seqlens.tolist()
-        for start, end, mask in zip(bounds[:-1], bounds[1:], self.masks, strict=True):
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                            enable_gqa=True).transpose(0, 1)
+        for start, prompt, answers in zip(cu_seqlens[:-1].tolist(), self.prompt_lengths, self.answer_lengths,
+                                          strict=True):
+            shared = slice(start, start + prompt)
+            out[shared] = _sdpa(q[shared], k[shared], v[shared], None)
+            at = start + prompt
+            for n in answers:
+                own = slice(at, at + n)
+                keys, values = (torch.cat([t[shared], t[own]]) for t in (k, v))
+                # query i sees the prompt and answer tokens 0..i: a causal mask aligned to the bottom right
+                seen = torch.ones(n, prompt + n, dtype=torch.bool, device=q.device).tril(prompt)
+                out[own] = _sdpa(q[own], keys, values, seen)
+                at += n
         return out
 
 
@@ -60,31 +70,33 @@ def shared_prefix_layout(prompts: list[list[int]], completions: list[list[int]],
         return None
     ids: list[int] = []
     positions: list[int] = []
-    masks: list[torch.Tensor] = []
     row_index: list[list[int]] = [[] for _ in prompts]  # per row: where its tokens sit in the layout
     spans = [0]
     for rows in groups:
         start, prompt = len(ids), prompts[rows[0]]
         ids += prompt
         positions += range(len(prompt))
-        segment = [-1] * len(prompt)  # -1: the prompt, seen by all; b: answer b, seen by itself only
-        for b, r in enumerate(rows):
+        for r in rows:
             at = len(ids)
             ids += completions[r]
             positions += range(len(prompt), len(prompt) + len(completions[r]))
-            segment += [b] * len(completions[r])
             row_index[r] = list(range(start, start + len(prompt))) + list(range(at, len(ids)))
-        seg = torch.tensor(segment, device=device)
-        steps = torch.arange(seg.numel(), device=device)
-        masks.append((steps[None] <= steps[:, None]) & ((seg[None] == -1) | (seg[None] == seg[:, None])))
         spans.append(len(ids))
     return SharedPrefixLayout(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device)[None],
         positions=torch.tensor(positions, dtype=torch.long, device=device)[None],
         cu_seqlens=torch.tensor(spans, device=device),
-        masks=masks,
+        prompt_lengths=[len(prompts[rows[0]]) for rows in groups],
+        answer_lengths=[[len(completions[r]) for r in rows] for rows in groups],
         gather=torch.tensor([i for index in row_index for i in index], dtype=torch.long, device=device),
     )
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of [L, H, D] queries over [S, Hkv, D] keys under a bool mask [L, S] (None: causal)."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 @contextmanager

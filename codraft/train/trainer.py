@@ -103,6 +103,10 @@ class Trainer:
         self.tap_sources = tap_sources(self.taps, self.policy.args.num_layers, dims.pp) if self.taps else {}
         self.stage_keys = [stage_keys(self.policy.args, s, dims.pp) for s in range(dims.pp)]
         self.n_microbatches = (cfg.parallel.pp_microbatches or 2 * dims.pp) if dims.pp > 1 else 1
+        self.share_prompts = cfg.rl.share_prompts and dims.pp == 1 and dims.cp == 1
+        if cfg.rl.share_prompts and not self.share_prompts and dims.is_writer:
+            log.info("rl.share_prompts applies at pp = 1, cp = 1 only: each row runs its own prompt (pp = %d, cp = %d)",
+                     dims.pp, dims.cp)
 
         o = cfg.optim
         self.policy_opt, self.policy_sched = build_optimizer(self.stage.parameters(), o.lr, o.weight_decay,
@@ -268,7 +272,7 @@ class Trainer:
             self.update_seconds = objective.seconds
         # pp = 1, cp = 1: each group's prompt runs once in the policy's forward (models/shared_prefix.py)
         shared = None
-        if rl.share_prompts and dims.pp == 1 and dims.cp == 1:
+        if self.share_prompts:
             shared = shared_prefix_layout([rows[i] for i in idx], [rollout.tokens[i] for i in idx], self.device)
         self.stage.train()
         with self._tap_channel(ids.shape[1]) as channel:

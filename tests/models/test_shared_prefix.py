@@ -32,11 +32,20 @@ def test_the_layout_holds_each_prompt_once_and_maps_back_to_every_row_s_tokens()
 
 
 def test_an_answer_sees_the_prompt_and_its_own_earlier_tokens_only():
-    _, layout = rows_and_layout()
-    mask = layout.masks[0]  # prompt 0-3, answers 4-6, 7, 8-12
-    assert mask[3, :4].all() and not mask[3, 4:].any()  # the prompt is causal
-    assert mask[7, :4].all() and not mask[7, 4:7].any() and mask[7, 7]  # answer 2 skips answer 1
-    assert mask[10, :4].all() and not mask[10, 4:8].any() and mask[10, 8:11].all() and not mask[10, 11:].any()
+    _, layout = rows_and_layout()  # group 0: prompt 0-3, answers 4-6, 7, 8-12
+    torch.manual_seed(0)
+    q, k, v = torch.randn(25, 4, 8, dtype=torch.float64), *torch.randn(2, 25, 2, 8, dtype=torch.float64)
+    base = layout.attention(q, k, v, layout.cu_seqlens)
+
+    def changed(at: int) -> torch.Tensor:  # which outputs move when token `at`'s value changes
+        moved = v.clone()
+        moved[at] += 1
+        return (layout.attention(q, k, moved, layout.cu_seqlens) - base).abs().amax((1, 2)) > 0
+
+    assert changed(2)[2:13].all() and not changed(2)[:2].any() and not changed(2)[13:].any()  # the prompt: all after
+    assert changed(5)[5:7].all() and changed(5).sum() == 2  # answer 1: its own later tokens only
+    assert changed(9)[9:13].all() and not changed(9)[:9].any()  # answer 3: its own later tokens only
+    assert changed(7)[7] and changed(7).sum() == 1
 
 
 def test_logits_taps_and_gradients_equal_the_rows_layout():
