@@ -33,7 +33,7 @@ class SharedPrefixLayout:
     positions: torch.Tensor  # [1, T'] a token's position in its own row (rotary)
     cu_seqlens: torch.Tensor  # [G + 1] one span per group
     prompt_lengths: list[int]  # [G]
-    answer_lengths: list[list[int]]  # [G][rows of the group]
+    answer_masks: list[list[torch.Tensor]]  # [G][rows of the group] `_answer_mask`s: built once, read by every layer
     gather: torch.Tensor  # [T] for each token of the rows' packed layout, its index in this one
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -41,18 +41,15 @@ class SharedPrefixLayout:
         prompt attends causally, then each answer attends to [prompt, itself]: the keys each row saw, under a mask
         per answer (its tokens x those keys), none over the whole group."""
         out = torch.empty_like(q)
-        for start, prompt, answers in zip(cu_seqlens[:-1].tolist(), self.prompt_lengths, self.answer_lengths,
-                                          strict=True):
+        for start, prompt, masks in zip(cu_seqlens[:-1].tolist(), self.prompt_lengths, self.answer_masks, strict=True):
             shared = slice(start, start + prompt)
             out[shared] = _sdpa(q[shared], k[shared], v[shared], None)
             at = start + prompt
-            for n in answers:
-                own = slice(at, at + n)
+            for mask in masks:
+                own = slice(at, at + mask.shape[0])
                 keys, values = (torch.cat([t[shared], t[own]]) for t in (k, v))
-                # query i sees the prompt and answer tokens 0..i: a causal mask aligned to the bottom right
-                seen = torch.ones(n, prompt + n, dtype=torch.bool, device=q.device).tril(prompt)
-                out[own] = _sdpa(q[own], keys, values, seen)
-                at += n
+                out[own] = _sdpa(q[own], keys, values, mask)
+                at = own.stop
         return out
 
 
@@ -87,9 +84,14 @@ def shared_prefix_layout(prompts: list[list[int]], completions: list[list[int]],
         positions=torch.tensor(positions, dtype=torch.long, device=device)[None],
         cu_seqlens=torch.tensor(spans, device=device),
         prompt_lengths=[len(prompts[rows[0]]) for rows in groups],
-        answer_lengths=[[len(completions[r]) for r in rows] for rows in groups],
+        answer_masks=[[_answer_mask(len(prompts[r]), len(completions[r]), device) for r in rows] for rows in groups],
         gather=torch.tensor([i for index in row_index for i in index], dtype=torch.long, device=device),
     )
+
+
+def _answer_mask(prompt: int, n: int, device: torch.device | str) -> torch.Tensor:
+    """[n, prompt + n] bool: an answer's query i sees the prompt and the answer's tokens 0..i."""
+    return torch.ones(n, prompt + n, dtype=torch.bool, device=device).tril(prompt)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
