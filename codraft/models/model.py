@@ -28,13 +28,20 @@ from codraft.models.rope import RotaryEmbedding, apply_rotary
 PackedAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def tokens_first_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of [L, H, D] queries over [S, Hkv, D] keys and values under a bool mask [L, S] (None: causal)."""
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          enable_gqa=True).transpose(0, 1)
+
+
 def packed_causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Causal attention within each packed sequence, one SDPA call per sequence."""
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # [H, S, D]
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1)
+        out[start:end] = tokens_first_sdpa(q[start:end], k[start:end], v[start:end])
     return out
 
 

@@ -19,10 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from codraft.models.model import Attention, ModelOutput, Transformer
+from codraft.models.model import Attention, ModelOutput, Transformer, tokens_first_sdpa
 
 
 @dataclass
@@ -43,12 +42,12 @@ class SharedPrefixLayout:
         out = torch.empty_like(q)
         for start, prompt, masks in zip(cu_seqlens[:-1].tolist(), self.prompt_lengths, self.answer_masks, strict=True):
             shared = slice(start, start + prompt)
-            out[shared] = _sdpa(q[shared], k[shared], v[shared], None)
+            out[shared] = tokens_first_sdpa(q[shared], k[shared], v[shared])
             at = start + prompt
             for mask in masks:
                 own = slice(at, at + mask.shape[0])
                 keys, values = (torch.cat([t[shared], t[own]]) for t in (k, v))
-                out[own] = _sdpa(q[own], keys, values, mask)
+                out[own] = tokens_first_sdpa(q[own], keys, values, mask)
                 at = own.stop
         return out
 
@@ -92,13 +91,6 @@ def shared_prefix_layout(prompts: list[list[int]], completions: list[list[int]],
 def _answer_mask(prompt: int, n: int, device: torch.device | str) -> torch.Tensor:
     """[n, prompt + n] bool: an answer's query i sees the prompt and the answer's tokens 0..i."""
     return torch.ones(n, prompt + n, dtype=torch.bool, device=device).tril(prompt)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA of [L, H, D] queries over [S, Hkv, D] keys under a bool mask [L, S] (None: causal)."""
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    return out.transpose(0, 1)
 
 
 @contextmanager
