@@ -188,9 +188,13 @@ class DraftConfig:
                     self.mask_token_id)
 
 
+# the reward task.reward=auto picks for each task.kind
+TASK_REWARDS = {"arithmetic": "correctness", "jsonl": "correctness", "chain": "chain_steps", "lists": "list_match"}
+
+
 @dataclass
 class TaskConfig:
-    kind: Literal["arithmetic", "jsonl", "chain"] = "arithmetic"  # chain: long step-by-step answers (rl/tasks.py)
+    kind: Literal["arithmetic", "jsonl", "chain", "lists"] = "lists"  # chain, lists: long answers (rl/tasks.py)
     path: str | None = None  # JSONL {"prompt", "answer"} rows, for kind=jsonl
     min_operand: int = 0
     max_operand: int = 20
@@ -198,9 +202,16 @@ class TaskConfig:
     operators: str = "+"  # kind=chain: + and - only
     chain_min_terms: int = 4  # kind=chain: terms per problem, log-uniform in [chain_min_terms, chain_max_terms]
     chain_max_terms: int = 24  # kind=chain: the long tail (answers reach ~250 tokens: raise rl.max_new_tokens)
-    reward: str = "correctness"  # a built-in name or "package.module:function"; kind=chain: chain_steps (partial
-                                 # credit per right step) or final_answer (0/1)
+    list_min_length: int = 5  # kind=lists: numbers per list, log-uniform in [list_min_length, list_max_length]
+    list_max_length: int = 24  # kind=lists: a list of 24 two-digit numbers takes ~70 tokens
+    list_max_number: int = 99  # kind=lists: the numbers lie in [1, list_max_number]
+    reward: str = "auto"  # auto: the kind's own (TASK_REWARDS); or a built-in name, or "package.module:function"
     chat_template: bool = True
+
+    @property
+    def reward_spec(self) -> str:
+        """task.reward with auto resolved to the task's own reward."""
+        return TASK_REWARDS[self.kind] if self.reward == "auto" else self.reward
 
     def validate(self) -> None:
         if self.kind == "jsonl" and (self.path is None or not Path(self.path).is_file()):
@@ -212,6 +223,12 @@ class TaskConfig:
         require(self.reward != "chain_steps" or self.kind == "chain", "task.reward",
                 f"a reward for task.kind={self.kind} (chain_steps needs task.kind=chain, whose problems carry "
                 "their steps)", self.reward)
+        if self.kind == "lists":
+            require(self.list_min_length >= 1, "task.list_min_length", ">= 1", self.list_min_length)
+            require(self.list_max_length >= self.list_min_length, "task.list_max_length", ">= task.list_min_length",
+                    self.list_max_length)
+            require(self.list_max_number >= self.list_max_length, "task.list_max_number",
+                    ">= task.list_max_length (a count of that many numbers from 1 must fit)", self.list_max_number)
         if self.kind == "chain":
             require(set(self.operators) <= set("+-"), "task.operators", "made of + - for task.kind=chain",
                     self.operators)
@@ -222,11 +239,14 @@ class TaskConfig:
 
 @dataclass
 class RLConfig:
-    steps: int = 40
-    prompts_per_step: int = 8
+    # The defaults are the default run's (README, "The default run"): one prompt x 4 answers of the lists task a step,
+    # long enough and few enough that speculation pays on a 2-core CPU, which decodes 4 rows in about the time of 1
+    # and verifies a few tokens per row for little more; the reward rises within the 50 steps at optim.lr 2e-5.
+    steps: int = 50
+    prompts_per_step: int = 1
     group_size: int = 4
-    max_new_tokens: int = 16
-    temperature: float = 1.0
+    max_new_tokens: int = 128
+    temperature: float = 0.7  # drafts accept more of a cooler policy's tokens (chain rollouts 1.79x vs T=1's 1.55x)
     top_p: float = 1.0
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher
@@ -256,7 +276,7 @@ class RLConfig:
     drift_prompts: int = 8  # held-out prompts whose greedy step-0 answers drift/kl_step0 is measured on
     # after the step's speculative rollout, plain decoding of its prompts to its row lengths is timed, outside
     # time/step_s (rollout/speedup.py); the cost: one plain rollout per measurement
-    measure_speedup_every: int = 10  # steps between rollout/speedup_measured (steps N, 2N, ...); 0 = off
+    measure_speedup_every: int = 5  # steps between rollout/speedup_measured (steps N, 2N, ...); 0 = off
     # the run's initial draft, never updated, scored beside the trained one on the step's batch (frozen_draft/*
     # metrics, same tokens and policy; with a draft and rl.draft_weight > 0); the cost: a draft loss without backward
     frozen_draft_every: int = 0  # steps between frozen_draft/*, the initial draft's loss metrics (N, 2N, ...); 0 = off
@@ -290,7 +310,7 @@ class RLConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 2e-6
+    lr: float = 2e-5  # the default run's: 4 answers a step; at 5e-5 the chain task's answers collapsed (stop 53)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     warmup_steps: int = 0
@@ -370,20 +390,19 @@ class BenchConfig:
 class DraftTrainConfig:
     """`codraft draft-train`: distil a draft on responses the policy generates, before RL."""
 
-    # defaults sized for the warm start of the default `codraft train` (SmolLM2-135M, arithmetic, answers of ~22
-    # tokens): 2 CPU minutes without the eval. EAGLE-3's held-out tau (T=0 / T=1, k=7) after 100 / 200 / 300 steps:
-    # 1.75 / 1.51, 1.90 / 1.56, 2.02 / 1.61, each step ~0.3 s against ~100 s of answering and caching
+    # defaults sized for the warm start of the default `codraft train` (SmolLM2-135M, the lists task, answers of ~70
+    # tokens at the rollouts' temperature): about 6 CPU minutes without the eval (answers 2, caching 1, steps 3)
     num_prompts: int = 256  # training prompts from task.*, each answered once by the policy
     held_out_prompts: int = 32  # the next prompts of the task stream, for the acceptance eval only
-    steps: int = 200
+    steps: int = 250
     batch_size: int = 8  # sequences per step
     lr: float = 2e-3
     min_lr_ratio: float = 0.1  # after warm-up the lr follows a cosine from lr down to min_lr_ratio * lr
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # 0 = off
     warmup_steps: int = 5
-    temperature: float = 1.0  # of the policy's responses (the eval runs at 0 and 1 regardless)
-    max_new_tokens: int = 32
+    temperature: float = 0.7  # of the policy's responses, as rl.temperature (the eval runs at 0 and 1 regardless)
+    max_new_tokens: int = 128
     generate_batch_size: int = 32  # also the batch of the policy forwards that fill the cache
     # compute the frozen policy's taps and, of its rows predicting response tokens, what the draft's loss reads once
     # per response, not once per epoch: EAGLE-3's draft-vocabulary log-probs (fp16), DFlash/DSpark's last hidden

@@ -104,7 +104,7 @@ def key_line(text: str, key: str) -> list[str]:
 
 def test_train_help_lists_its_config_keys_with_types_defaults_and_comments():
     text = help_of("train")
-    assert key_line(text, "rl.steps") == ["int = 40"]
+    assert key_line(text, "rl.steps") == ["int = 50"]
     assert key_line(text, "rl.eps_high") == ["float = 0.28", "clip-higher"]
     every = key_line(text, "checkpoint.every")
     assert every[0] == "int = 10" and every[1].startswith("steps between checkpoints")

@@ -55,9 +55,9 @@ G = TypeVar("G")
 
 def bench_draft(cfg: Config) -> dict:
     """The draft of bench.draft_path (or one trained for draft_train.steps) on bench.draft_prompts held-out prompts."""
-    if cfg.task.kind not in ("arithmetic", "chain"):
-        raise ConfigError(f"bench draft measures on held-out generated prompts: task.kind must be arithmetic or "
-                          f"chain (got {cfg.task.kind})")
+    if cfg.task.kind == "jsonl":
+        raise ConfigError("bench draft measures on held-out generated prompts: task.kind must be arithmetic, chain "
+                          "or lists (got jsonl)")
     b = cfg.bench
     if b.draft_path is not None:
         cfg = past_training_prompts(cfg, b.draft_path)

@@ -387,7 +387,7 @@ def table(summary: list[dict], cfg: Config) -> str:
     terms = f" ({task.chain_min_terms}-{task.chain_max_terms} terms)" if task.kind == "chain" else ""
     notes = [
         f"{rl.steps} steps x {rl.prompts_per_step} prompts x group {rl.group_size}, max {rl.max_new_tokens} new "
-        f"tokens, task {task.kind}{terms}, seed {cfg.run.seed}, "
+        f"tokens at T={rl.temperature:g}, task {task.kind}{terms}, seed {cfg.run.seed}, "
         f"model {cfg.model.path}, k {rl.num_speculative_tokens} ({'adaptive' if rl.adaptive else 'fixed'}).",
         "Every figure is measured in these runs (no estimate): speedups are the baseline's total wall-clock seconds "
         f"(time/rollout_s, time/step_s) over the run's, on the same steps ({base['timed_steps']} steps: step "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from codraft.rl.parsing import announced_number, last_number, normalise, same_number
+from codraft.rl.parsing import announced_number, last_number, matches_in_order, normalise, same_number
 from codraft.rl.tasks import ChainStep, Problem
 
 # One equation `a op b = c` (also "is", "equals"; bold around the result). A lookahead, so that chained equations
@@ -29,18 +29,6 @@ def written_steps(text: str) -> list[ChainStep]:
     return [ChainStep(int(a), op, int(b), int(c)) for a, op, b, c in _EQUATION.findall(normalise(text))]
 
 
-def steps_in_order(expected: tuple[ChainStep, ...], written: list[ChainStep]) -> int:
-    """How many of `expected` appear in `written` in the same order (longest common subsequence): a step
-    repeated, or written out of order, earns nothing more."""
-    previous = [0] * (len(written) + 1)
-    for step in expected:
-        row = [0]
-        for j, seen in enumerate(written):
-            row.append(previous[j] + 1 if step == seen else max(previous[j + 1], row[j]))
-        previous = row
-    return previous[-1]
-
-
 def chain_steps_reward(completion: str, problem: Problem) -> float:
     """In [0, 1]: FINAL_WEIGHT if the answer announces the right number ("Answer: 27", as the prompt asks;
     `parsing.announced_number`), plus the rest times the share of the problem's steps written right and in
@@ -51,5 +39,5 @@ def chain_steps_reward(completion: str, problem: Problem) -> float:
         raise ValueError("the chain_steps reward scores task.kind=chain problems, which carry their steps; "
                          "this problem has none")
     final = same_number(announced_number(completion), last_number(problem.answer))
-    share = steps_in_order(problem.steps, written_steps(completion)) / len(problem.steps)
+    share = matches_in_order(problem.steps, written_steps(completion)) / len(problem.steps)
     return FINAL_WEIGHT * final + (1 - FINAL_WEIGHT) * share

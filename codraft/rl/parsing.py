@@ -1,9 +1,11 @@
-"""Numbers read out of completions: the last one written, the one a worked answer announces, equality."""
+"""Numbers read out of completions: the last one written, the one a worked answer announces, equality; and how
+much of an expected sequence a completion wrote in order."""
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 # A number: optional sign (not after a digit, so "12-7" reads as 12 and 7), thousands groups or plain digits,
 # optional decimals.
@@ -42,3 +44,15 @@ def final_number(text: str) -> float | None:
 def same_number(got: float | None, expected: float | None) -> bool:
     """Both present and numerically equal (up to float rounding)."""
     return got is not None and expected is not None and math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def matches_in_order(expected: Sequence, written: Sequence) -> int:
+    """How many items of `expected` appear in `written` in the same order (their longest common subsequence):
+    an item repeated, or written out of order, earns nothing more."""
+    previous = [0] * (len(written) + 1)
+    for item in expected:
+        row = [0]
+        for j, seen in enumerate(written):
+            row.append(previous[j] + 1 if item == seen else max(previous[j + 1], row[j]))
+        previous = row
+    return previous[-1]

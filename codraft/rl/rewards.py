@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from codraft.rl.chain_reward import chain_steps_reward
+from codraft.rl.list_reward import list_match_reward
 from codraft.rl.parsing import NUMBER, final_number, last_number, normalise, same_number
 from codraft.rl.tasks import Problem
 
@@ -84,6 +85,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "correctness+format": combine(correctness_reward, format_reward),
     "final_answer": final_answer_reward,
     "chain_steps": chain_steps_reward,
+    "list_match": list_match_reward,
 }
 
 

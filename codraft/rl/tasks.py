@@ -1,5 +1,5 @@
-"""Prompt sources for RL: embedded arithmetic generators (short answers, long step-by-step chains) and user JSONL
-data.
+"""Prompt sources for RL: embedded generators (short arithmetic answers, long step-by-step chains, long lists of
+numbers) and user JSONL data.
 
 Every task is an indexed, deterministic stream: `problem(i)` depends only on the
 task's config, its seed and `i`, and the task keeps a position that `sample(n)`
@@ -207,6 +207,13 @@ class JsonlTask(IndexedTask):
                         state["num_problems"], len(self.problems))
 
 
+def log_uniform(rng: random.Random, low: int, high: int) -> int:
+    """An int in [low, high], log-uniform: P(n) is proportional to log((n + 1) / n), so most draws are short and a
+    tail is long."""
+    n = math.exp(rng.uniform(math.log(low), math.log(high + 1)))
+    return min(int(n), high)
+
+
 CHAIN_TEMPLATE = ("Compute {expression} step by step, from left to right. Write each partial result on its own "
                   'line, like "{first_step}", and end with "Answer: <number>".')
 
@@ -242,14 +249,10 @@ class ChainTask(IndexedTask):
         self.min_operand, self.max_operand = min_operand, max_operand
         self.min_terms, self.max_terms, self.operators, self.template = min_terms, max_terms, operators, template
 
-    def num_terms(self, rng: random.Random) -> int:
-        """Log-uniform over [min_terms, max_terms]: P(n) is proportional to log((n + 1) / n)."""
-        n = math.exp(rng.uniform(math.log(self.min_terms), math.log(self.max_terms + 1)))
-        return min(int(n), self.max_terms)
-
     def problem(self, index: int) -> Problem:
         rng = random.Random(f"chain:{self.seed}:{index}")  # str seeds hash with sha512: stable across runs
-        terms = [rng.randint(self.min_operand, self.max_operand) for _ in range(self.num_terms(rng))]
+        num_terms = log_uniform(rng, self.min_terms, self.max_terms)
+        terms = [rng.randint(self.min_operand, self.max_operand) for _ in range(num_terms)]
         ops = [rng.choice(self.operators) for _ in terms[1:]]
         expression = str(terms[0]) + "".join(f" {op} {t}" for op, t in zip(ops, terms[1:], strict=True))
         steps, total = [], terms[0]
@@ -260,6 +263,45 @@ class ChainTask(IndexedTask):
         return Problem(prompt, str(total), steps=tuple(steps))
 
 
+COUNT_TEMPLATE = "Count from {first} to {last}, writing the numbers separated by commas."
+COPY_TEMPLATE = "Repeat this list of numbers exactly, separated by commas: {numbers}."
+
+
+class ListTask(IndexedTask):
+    """Long answers SmolLM2 gets partly right and learns to get right: write a list of numbers, counting up
+    (even indices: "Count from 23 to 41, ...") or copying the prompt's list (odd indices: "Repeat this list ...").
+
+    The list's length is log-uniform in [min_length, max_length] and its numbers lie in [1, max_number] (a count
+    starts low enough to end there). The reference answer is the list, "23, 24, 25"; the `list_match` reward
+    (rl/list_reward.py) scores how much of it a completion wrote, in order, and nothing else. With the defaults
+    (5-24 numbers up to 99) an answer written as asked takes about 15-70 tokens, and SmolLM2-135M at temperature
+    0.7 writes some lists exactly, runs past the end of others or repeats the wrong numbers: groups of 4 samples
+    seldom score alike.
+    """
+
+    def __init__(self, min_length: int = 5, max_length: int = 24, max_number: int = 99, seed: int = 0):
+        super().__init__(seed)
+        if not 1 <= min_length <= max_length:
+            raise ValueError(f"need 1 <= min_length <= max_length, got min_length={min_length}, "
+                             f"max_length={max_length}")
+        if max_number < max_length:
+            raise ValueError(f"max_number must be >= max_length (a count of max_length numbers from 1 fits), got "
+                             f"max_number={max_number}, max_length={max_length}")
+        self.min_length, self.max_length, self.max_number = min_length, max_length, max_number
+
+    def problem(self, index: int) -> Problem:
+        rng = random.Random(f"lists:{self.seed}:{index}")  # str seeds hash with sha512: stable across runs
+        n = log_uniform(rng, self.min_length, self.max_length)
+        if index % 2 == 0:
+            first = rng.randint(1, self.max_number - n + 1)
+            numbers = list(range(first, first + n))
+            prompt = COUNT_TEMPLATE.format(first=first, last=numbers[-1])
+        else:
+            numbers = [rng.randint(1, self.max_number) for _ in range(n)]
+            prompt = COPY_TEMPLATE.format(numbers=", ".join(map(str, numbers)))
+        return Problem(prompt, ", ".join(map(str, numbers)))
+
+
 def _task_args(cfg: Config) -> dict:
     """The task fields `build_task` passes to task.kind's class: with run.seed, all that decides which problems it
     draws, in order (task.reward and task.chat_template change how a problem is scored or shown, not which)."""
@@ -267,6 +309,8 @@ def _task_args(cfg: Config) -> dict:
     if t.kind == "chain":
         return dict(min_operand=t.min_operand, max_operand=t.max_operand, min_terms=t.chain_min_terms,
                     max_terms=t.chain_max_terms, operators=t.operators)
+    if t.kind == "lists":
+        return dict(min_length=t.list_min_length, max_length=t.list_max_length, max_number=t.list_max_number)
     if t.kind == "jsonl":
         return dict(problems=t.path)
     return dict(min_operand=t.min_operand, max_operand=t.max_operand, num_terms=t.num_terms, operators=t.operators)
@@ -284,6 +328,8 @@ def build_task(cfg: Config) -> IndexedTask:
     kind, args = cfg.task.kind, _task_args(cfg)
     if kind == "chain":
         return ChainTask(**args, seed=cfg.run.seed)
+    if kind == "lists":
+        return ListTask(**args, seed=cfg.run.seed)
     if kind == "jsonl":
         try:
             return JsonlTask(**args, seed=cfg.run.seed)

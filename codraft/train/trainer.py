@@ -74,10 +74,10 @@ class Trainer:
         self.policy, self.tokenizer = load_policy(cfg)
         self.task = build_task(cfg)
         try:
-            self.reward_fn = load_reward_fn(cfg.task.reward)
+            self.reward_fn = load_reward_fn(cfg.task.reward_spec)
         except ValueError as e:
             raise ConfigError(f"task.reward: {e}") from e
-        self.reward_guard = RewardGuard(cfg.task.reward, cfg.rl)
+        self.reward_guard = RewardGuard(cfg.task.reward_spec, cfg.rl)
         self.encode = prompt_encoder(cfg, self.policy, self.tokenizer)
         # every JSONL row checked first (the corpus sets a fresh draft's vocabulary)
         self.draft = initial_draft(cfg, self.policy, self.tokenizer, prompt_corpus(self.task, self.encode, 256))

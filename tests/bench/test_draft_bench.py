@@ -17,8 +17,8 @@ from codraft.models.linear import packed_dtype
 from tests.rollout.conftest import tiny_model
 from tests.rollout.test_engine import PROMPTS
 
-TINY = ["model.path=tiny-llama", "run.tensorboard=false", "draft_train.num_prompts=8", "draft_train.steps=2",
-        "draft_train.batch_size=4", "draft_train.max_new_tokens=8", "draft.draft_vocab_size=64",
+TINY = ["model.path=tiny-llama", "run.tensorboard=false", "task.kind=arithmetic", "draft_train.num_prompts=8",
+        "draft_train.steps=2", "draft_train.batch_size=4", "draft_train.max_new_tokens=8", "draft.draft_vocab_size=64",
         "draft.num_anchors=2", "bench.draft_prompts=3", "bench.batch_sizes=[1,2]", "bench.max_new_tokens=6",
         "bench.repeats=1"]
 

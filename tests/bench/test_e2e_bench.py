@@ -118,7 +118,8 @@ def test_reward_is_compared_within_two_combined_standard_errors():
 
 
 def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured(tmp_path):
-    cfg = load_config(None, ["task.kind=chain", "task.reward=final_answer", "rl.steps=12"])
+    cfg = load_config(None, ["task.kind=chain", "task.reward=final_answer", "rl.steps=12", "rl.prompts_per_step=8",
+                             "rl.max_new_tokens=16", "rl.temperature=1"])
     history = {"baseline": records(12, rollout_s=1.0, step_s=4.0, **{"drift/kl_step0": 0.0}),
                "dspark": records(12, rollout_s=0.5, step_s=3.5, tau=lambda i: 2.0 + i / 10)}
     history["dspark"][4]["drift/kl_step0"] = 0.03
@@ -142,7 +143,7 @@ def test_outputs_from_synthetic_records_hold_every_run_and_say_what_was_measured
     assert baseline.split(" | ")[16] == "n/a"  # the baseline is the reference of the reward test
     assert baseline.split(" | ")[8] == baseline.split(" | ")[10] == "n/a"  # no draft, no in-run measurement
     assert "no estimate" in md and "2 * sqrt(SE_run^2 + SE_baseline^2)" in md
-    assert "12 steps x 8 prompts x group 4, max 16 new tokens, task chain (4-24 terms), seed 0" in md
+    assert "12 steps x 8 prompts x group 4, max 16 new tokens at T=1, task chain (4-24 terms), seed 0" in md
     assert "The baseline spent 25% of its step in rollout (< 40%)" in md  # a workload that is not rollout-bound
     assert (tmp_path / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

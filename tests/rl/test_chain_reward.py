@@ -3,7 +3,8 @@
 import pytest
 
 from codraft.config import ConfigError, load_config
-from codraft.rl.chain_reward import chain_steps_reward, steps_in_order, written_steps
+from codraft.rl.chain_reward import chain_steps_reward, written_steps
+from codraft.rl.parsing import matches_in_order
 from codraft.rl.rewards import answer_correct, final_answer_reward, load_reward_fn, score
 from codraft.rl.tasks import ChainStep, Problem
 
@@ -78,11 +79,11 @@ def test_negative_running_totals_are_credited():
     assert chain_steps_reward("3 - 5 = 2\n2 + 4 = 6\nAnswer: 6", NEGATIVE) == 0.0  # the sign dropped
 
 
-def test_steps_in_order_is_the_longest_common_subsequence():
+def test_matches_in_order_is_the_longest_common_subsequence():
     a, b, c = NINE.steps
-    assert steps_in_order(NINE.steps, [c, a, b]) == 2 and steps_in_order(NINE.steps, [b, a, c, a]) == 2
-    assert steps_in_order((a, a), [a]) == 1 and steps_in_order((a, a), [a, b, a]) == 2  # a repeated step, twice
-    assert steps_in_order(NINE.steps, []) == 0
+    assert matches_in_order(NINE.steps, [c, a, b]) == 2 and matches_in_order(NINE.steps, [b, a, c, a]) == 2
+    assert matches_in_order((a, a), [a]) == 1 and matches_in_order((a, a), [a, b, a]) == 2  # a repeated step, twice
+    assert matches_in_order(NINE.steps, []) == 0
 
 
 def test_chain_steps_is_a_builtin_and_refuses_problems_without_steps():
@@ -96,4 +97,4 @@ def test_chain_steps_is_a_builtin_and_refuses_problems_without_steps():
 def test_config_refuses_chain_steps_on_other_tasks():
     assert load_config(None, ["task.kind=chain", "task.reward=chain_steps"]).task.reward == "chain_steps"
     with pytest.raises(ConfigError, match="'task.reward' must be a reward for task.kind=arithmetic"):
-        load_config(None, ["task.reward=chain_steps"])
+        load_config(None, ["task.kind=arithmetic", "task.reward=chain_steps"])
