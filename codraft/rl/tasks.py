@@ -276,7 +276,7 @@ class ListTask(IndexedTask):
     (rl/list_reward.py) scores how much of it a completion wrote, in order, and nothing else. With the defaults
     (5-24 numbers up to 99) an answer written as asked takes about 15-70 tokens, and SmolLM2-135M at temperature
     0.7 writes some lists exactly, runs past the end of others or repeats the wrong numbers: groups of 4 samples
-    seldom score alike.
+    seldom score alike until all four are right.
     """
 
     def __init__(self, min_length: int = 5, max_length: int = 24, max_number: int = 99, seed: int = 0):
