@@ -10,10 +10,7 @@ only lose. In a batch, E(k) is the rows' mean, but the batch runs until its last
 row is done: rows accept by chance, so the slowest of n similar rows needs about
 1 + z(n) cv / sqrt(S) times the mean's S steps (`tail`), and the rate is priced
 at that pace. At batch 8 on 48 tokens that is 6-14%, as much as a step's whole
-predicted gain there. Rows also differ by more than chance (one copies a long
-list, another is past its answer), so each row's acceptance this call is kept
-(`row_pace`), and with known lengths the batch is priced by the row slowest to
-finish at its own pace (`batch_pace`).
+predicted gain there.
 
 Everything is learned from the engine's own steps, so the controller costs
 nothing up front (no calibration forwards): the first two steps of a fresh
@@ -192,7 +189,7 @@ class SpeculationController:
     def __init__(self, max_k: int, prior: float = 0.3, prior_weight: float = 1.0, memory: float = 32.0,
                  probe_k: int | None = None, probe_rows: int = 4, first_probe: int = 8, max_probe_interval: int = 64,
                  min_gain: float = 0.05, refresh_every: int = 32, truncate: bool = False, draft_prior: float = 0.05,
-                 probe_budget: float = 0.02, draft_stop: bool = True, row_memory: float = 8.0, row_prior: float = 4.0):
+                 probe_budget: float = 0.02, draft_stop: bool = True):
         if probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1 (the rows whose drafts a probe verifies), got {probe_rows}")
         self.max_k = max_k
@@ -252,12 +249,6 @@ class SpeculationController:
         self.calibration = DraftCalibration()
         self.verified: dict[int, float] = {}  # k -> EMA of the drafts per row a step of k verified
         self.since_full: dict[int, int] = {}  # rows -> steps since the last untruncated one
-        # each live row's drafts accepted and steps it was verified in, over about its last `row_memory` such steps:
-        # rows are not alike (one copies a long list, another is past its answer), and where lengths are known the
-        # batch ends with the row slowest to finish (`row_pace`)
-        self.row_memory, self.row_prior = row_memory, row_prior
-        self.row_hits = torch.zeros(0, dtype=torch.float64)
-        self.row_steps = torch.zeros(0, dtype=torch.float64)
 
     def new_batch(self, rows: int, stops_early: bool = False) -> None:
         """A generate call of `rows` rows starts: new prompts (and, in training, an updated draft) may accept
@@ -280,8 +271,6 @@ class SpeculationController:
                     weight = min(1.0, self.memory / n)
                     self.hits[i], self.trials[i] = weight * self.call_hits[i], weight * n
         self.call_hits, self.call_trials = [0.0] * self.max_k, [0.0] * self.max_k
-        self.row_hits = torch.zeros(rows, dtype=torch.float64)
-        self.row_steps = torch.zeros(rows, dtype=torch.float64)
         if self.steps_off >= self.probe_wait(rows):
             self.steps_off = max(self.steps_off, self.probe_interval - 1)
 
@@ -303,51 +292,25 @@ class SpeculationController:
     def expected_tokens(self, k: int) -> float:
         return self.emitted_moments(k)[0]
 
-    def row_pace(self, k: int, rows: int) -> list[float]:
-        """Each live row's expected tokens per step of k: 1 + f (E(k) - 1), f its accepted drafts per verified step
-        over the rows' mean (shrunk to 1 by `row_prior` steps at the mean; 1 for rows never verified this call)."""
-        mean = self.expected_tokens(k)
-        hits, steps = self.row_hits, self.row_steps
-        total = float(steps.sum())
-        if len(hits) != rows or not total or not float(hits.sum()):
-            return [mean] * rows
-        average = float(hits.sum()) / total
-        factor = (hits + self.row_prior * average) / (steps + self.row_prior) / average
-        return (1 + factor * (mean - 1)).tolist()
-
-    def batch_pace(self, k: int, remaining: list[int] | None) -> float:
-        """Tokens per step a step of k is worth to the batch, against one for plain decoding. Rows that end at stop
-        tokens (`remaining` None): E(k), the rows' mean. With known lengths the batch ends with its last row: plain
-        decoding needs max(remaining) steps, speculation the steps of the row slowest to finish at its own pace
-        (`row_pace`), lengthened by chance (`tail`). Priced by the rows' mean, a batch of 4 on held-out lists (T=0,
-        48 tokens) kept speculating while one row past its answer accepted a draft in ten: its three others were
-        done in 12-21 steps, it took 36, and the call ran 0.88x plain decoding."""
-        if not k or not remaining:
-            return self.expected_tokens(k)
-        pace = self.row_pace(k, len(remaining))
-        slowest = max(r / e for r, e in zip(remaining, pace, strict=True))
-        return max(remaining) / slowest / self.tail(k, remaining, pace)
-
-    def tail(self, k: int, remaining: list[int] | None, pace: list[float] | None = None) -> float:
-        """How much longer than its slowest row's expected steps a batch's speculation runs: rows accept by chance,
-        and the batch decodes until its last row is done, while plain decoding moves every row a token a step. The
-        slowest row needs S = remaining / pace steps (`pace`: each row's tokens per step, default E(k) for all),
-        and among the n rows whose expected steps are within one standard deviation of their progress over S steps
-        (sd sqrt(S) tokens) of S, the last takes about z(n) sd sqrt(S) tokens more: a factor 1 + z(n) cv / sqrt(S)
-        on the steps. At batch 8 and 48 tokens with EAGLE-3's sampled acceptance that is 1.06-1.14 (k = 1-4), as much
-        as the per-step model's whole predicted gain there; unpriced, the per-call audit (stop 38) had to learn it
-        call by call, and batch 8 lost 7% at T=1. `remaining`: each live row's tokens still allowed, where that is
-        its length (no stop tokens); None: rows end at stop tokens, their lengths differ more than their progress,
-        and the call's end is its longest row (no tail)."""
+    def tail(self, k: int, remaining: list[int] | None) -> float:
+        """How much longer than its rows' mean progress a batch's speculation runs: rows accept by chance, and the
+        batch decodes until its last row is done, while plain decoding moves every row a token a step. The row
+        furthest behind needs S = lead / E steps, and among the n rows whose remaining tokens are within one
+        standard deviation of a row's progress over S steps (sd sqrt(S)) of it, the slowest takes about
+        z(n) sd sqrt(S) tokens more: a factor 1 + z(n) cv / sqrt(S) on the steps. At batch 8 and 48 tokens with
+        EAGLE-3's sampled acceptance that is 1.06-1.14 (k = 1-4), as much as the per-step model's whole predicted
+        gain there; unpriced, the per-call audit (stop 38) had to learn it call by call, and batch 8 lost 7% at T=1.
+        `remaining`: each live row's tokens still allowed, where that is its length (no stop tokens); None: rows
+        end at stop tokens, their lengths differ more than their progress, and the call's end is its longest row
+        (no tail)."""
         if not k or not remaining:
             return 1.0
         mean, var = self.emitted_moments(k)
-        pace = pace or [mean] * len(remaining)
-        steps = [r / e for r, e in zip(remaining, pace, strict=True)]
-        slowest = max(range(len(steps)), key=steps.__getitem__)
-        spread = math.sqrt(var * max(steps[slowest], 1.0)) / pace[slowest]  # sd of its steps, in steps
-        contenders = sum(1 for s in steps if s >= steps[slowest] - spread)
-        return 1 + laggard_z(contenders) * spread / max(steps[slowest], 1.0)
+        lead = max(remaining)
+        steps = max(lead / mean, 1.0)
+        spread = math.sqrt(var * steps)  # sd of a row's tokens over those steps
+        contenders = sum(1 for r in remaining if r >= lead - spread)
+        return 1 + laggard_z(contenders) * spread / (mean * steps)
 
     def draft_cost(self, k: int, rows: int) -> float:
         """Seconds of one proposal of k tokens: observed, else the nearest observed k scaled by k, else (no steady
@@ -418,22 +381,6 @@ class SpeculationController:
         if self.truncate or self.by_stop:
             self.calibration.observe(confidence, verified, accepted)
 
-    def observe_rows(self, verified: torch.Tensor, accepted: torch.Tensor) -> None:
-        """A speculative step's drafts verified [B] and accepted [B] per row: rows with drafts verified count a step
-        (`row_pace`)."""
-        if len(self.row_hits) != len(verified):
-            return  # a controller driven without new_batch keeps no rows
-        seen = (verified > 0).cpu()
-        fade = torch.clamp(self.row_memory / (self.row_steps + 1), max=1.0)
-        self.row_hits = torch.where(seen, fade * (self.row_hits + accepted.cpu()), self.row_hits)
-        self.row_steps = torch.where(seen, fade * (self.row_steps + 1), self.row_steps)
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Only rows `keep` (indices into the current batch) go on, in that order (the engine's `retire`)."""
-        if len(self.row_hits):
-            keep = keep.cpu()
-            self.row_hits, self.row_steps = self.row_hits[keep], self.row_steps[keep]
-
     def cut_pays(self, rows: int, acceptance: torch.Tensor, lengths: torch.Tensor, cut: torch.Tensor) -> bool:
         """Whether verifying `cut` drafts per row (of `lengths`) emits more tokens per second than verifying all,
         priced by the measured cost of forwards of the two mean token counts per row. A cut that leaves rows
@@ -448,8 +395,8 @@ class SpeculationController:
         return bool((cut < lengths).any()) and rate(cut) > rate(lengths)
 
     def tokens_per_second(self, rows: int, k: int, remaining: list[int] | None = None) -> float:
-        """Tokens per second of a step of k, at the pace of the batch's last row (`batch_pace`)."""
-        return rows * self.batch_pace(k, remaining) / self.step_seconds(rows, k)
+        """Tokens per second of a step of k, at the pace of the batch's last row (`tail`)."""
+        return rows * self.expected_tokens(k) / self.tail(k, remaining) / self.step_seconds(rows, k)
 
     def choose(self, rows: int, remaining: list[int] | None = None) -> int:
         """k for the next step of `rows` live rows; `remaining`: each one's tokens still allowed (`tail`)."""

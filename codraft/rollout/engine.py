@@ -235,8 +235,6 @@ def generate(
         cache.keep_rows(keep)
         if drafter is not None:
             drafter.keep_rows(keep)
-        if controller is not None:
-            controller.keep_rows(keep)
 
     hit_stop = torch.isin(pending, stop_ids)
     done = hit_stop | (n_out >= limit)
@@ -391,4 +389,3 @@ def _count_step(
             reached_at[controller.probe_rows:] = False
         reached = reached_at.sum(0).tolist()
         controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed)
-        controller.observe_rows(num_drafts, accepted)

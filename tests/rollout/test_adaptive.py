@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 
 from codraft.rollout.adaptive import SpeculationController, VerifyCostModel
 
@@ -353,48 +352,6 @@ def test_a_batch_speculates_only_where_the_gain_outlasts_its_last_row():
     assert c.choose(8) > 0  # by the rows' mean
     assert c.choose(8, [47] * 8) == 0
     assert c.choose(1, [47]) > 0
-
-
-def test_with_known_lengths_a_batch_is_priced_by_its_slowest_row():
-    """Rows are not alike: where one row accepts nothing, the batch ends with it, and the others' drafts only
-    finish them sooner. The same acceptance spread evenly over the rows pays; rows that end at stop tokens are
-    priced by their mean."""
-    def primed(per_row: list[int]) -> SpeculationController:
-        c = controller_with_costs(decode_s=0.01, extra_per_token=0.1, rows=4)
-        c.new_batch(4)
-        observe_acceptance(c, 0.6, rows=4, steps=20, k=4)
-        for _ in range(8):
-            c.observe_rows(torch.full((4,), 4), torch.tensor(per_row))
-        return c
-
-    assert primed([2, 2, 2, 2]).choose(4, [40] * 4) > 0
-    lagging = primed([0, 3, 3, 2])
-    lagging.choose(4, [40] * 4)
-    assert lagging.probing  # off at a call's start: a probe samples whether the draft got better
-    assert lagging.choose(4, [40] * 4) == 0
-    assert lagging.choose(4, None) > 0  # stop tokens on: the call ends with its longest row, not a known one
-    assert lagging.batch_pace(4, [40] * 4) < lagging.expected_tokens(4)
-    lagging.keep_rows(torch.tensor([2, 1]))  # the slow rows are done: the others set the pace
-    lagging.observe(0, [], [], 2, verify_s=0.01, draft_s=None)  # (else its first step at 2 rows re-times decoding)
-    assert lagging.choose(2, [40] * 2) > 0
-
-
-def test_row_pace_follows_the_rows_through_the_batchs_compaction():
-    c = SpeculationController(4)
-    c.hits, c.trials = [0.6e6] * 4, [1e6] * 4
-    c.new_batch(3)
-    assert c.row_pace(4, 3) == [c.expected_tokens(4)] * 3  # nothing seen: every row at the mean
-    for _ in range(6):
-        c.observe_rows(torch.tensor([4, 4, 0]), torch.tensor([4, 0, 0]))  # row 2 was not verified: no step
-    fast, slow, unseen = c.row_pace(4, 3)
-    assert fast > unseen == c.expected_tokens(4) > slow >= 1
-    c.keep_rows(torch.tensor([2, 0, 1]))
-    assert c.row_pace(4, 3) == [unseen, fast, slow]
-    assert c.row_pace(4, 5) == [c.expected_tokens(4)] * 5  # rows it does not track: the mean
-    single = SpeculationController(4)
-    single.new_batch(1)
-    single.observe_rows(torch.tensor([4]), torch.tensor([0]))
-    assert single.row_pace(4, 1) == [single.expected_tokens(4)]  # one row is its own mean
 
 
 def test_with_draft_stops_a_step_is_on_at_max_k_or_off():
