@@ -324,15 +324,14 @@ def task_stream(cfg: Config) -> dict:
     return {"kind": cfg.task.kind, **args, "seed": cfg.run.seed}
 
 
+TASKS: dict[str, type[IndexedTask]] = {"arithmetic": ArithmeticTask, "chain": ChainTask, "lists": ListTask,
+                                       "jsonl": JsonlTask}
+
+
 def build_task(cfg: Config) -> IndexedTask:
-    kind, args = cfg.task.kind, _task_args(cfg)
-    if kind == "chain":
-        return ChainTask(**args, seed=cfg.run.seed)
-    if kind == "lists":
-        return ListTask(**args, seed=cfg.run.seed)
-    if kind == "jsonl":
-        try:
-            return JsonlTask(**args, seed=cfg.run.seed)
-        except ValueError as e:  # the row and field at fault
-            raise ConfigError(f"task.path {e}") from e
-    return ArithmeticTask(**args, seed=cfg.run.seed)
+    try:
+        return TASKS[cfg.task.kind](**_task_args(cfg), seed=cfg.run.seed)
+    except ValueError as e:
+        if cfg.task.kind != "jsonl":
+            raise
+        raise ConfigError(f"task.path {e}") from e  # the row and field at fault
