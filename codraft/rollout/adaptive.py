@@ -10,7 +10,13 @@ only lose. In a batch, E(k) is the rows' mean, but the batch runs until its last
 row is done: rows accept by chance, so the slowest of n similar rows needs about
 1 + z(n) cv / sqrt(S) times the mean's S steps (`tail`), and the rate is priced
 at that pace. At batch 8 on 48 tokens that is 6-14%, as much as a step's whole
-predicted gain there.
+predicted gain there. Rows also differ by more than chance (one copies a long list,
+another is past its answer), and with known lengths the rows that accept well finish
+first: such a call is priced whole (`call_seconds`), each row at its own pace
+(row_pace.py), the steps after a row finished at the cost of the rows left. Where a
+step costs about the same at any row count (a CPU at a few rows) the call is then
+as long as its slowest row; where it costs by the row, the rows done early make the
+rest cheaper.
 
 Everything is learned from the engine's own steps, so the controller costs
 nothing up front (no calibration forwards): the first two steps of a fresh
@@ -70,6 +76,9 @@ from statistics import NormalDist
 import torch
 
 from codraft.rollout.calibration import DraftCalibration, DraftStop
+from codraft.rollout.row_pace import RowPace
+
+SEGMENTS = 4  # groups of rows that `call_seconds` prices as finishing together: four cost lookups per k at any batch
 
 
 def nearest_rows(counts: Iterable[int], rows: int) -> int:
@@ -249,6 +258,7 @@ class SpeculationController:
         self.calibration = DraftCalibration()
         self.verified: dict[int, float] = {}  # k -> EMA of the drafts per row a step of k verified
         self.since_full: dict[int, int] = {}  # rows -> steps since the last untruncated one
+        self.row_pace = RowPace()  # each live row's acceptance against the estimate's (`call_seconds`)
 
     def new_batch(self, rows: int, stops_early: bool = False) -> None:
         """A generate call of `rows` rows starts: new prompts (and, in training, an updated draft) may accept
@@ -271,6 +281,7 @@ class SpeculationController:
                     weight = min(1.0, self.memory / n)
                     self.hits[i], self.trials[i] = weight * self.call_hits[i], weight * n
         self.call_hits, self.call_trials = [0.0] * self.max_k, [0.0] * self.max_k
+        self.row_pace.start(rows)
         if self.steps_off >= self.probe_wait(rows):
             self.steps_off = max(self.steps_off, self.probe_interval - 1)
 
@@ -291,6 +302,15 @@ class SpeculationController:
 
     def expected_tokens(self, k: int) -> float:
         return self.emitted_moments(k)[0]
+
+    def observe_rows(self, k: int, verified: torch.Tensor, accepted: torch.Tensor) -> None:
+        """A step of k's rows, before `observe` learns from it: verified [B] (the row had drafts verified) and
+        accepted [B] drafts each, against the E(k) - 1 its choice expected."""
+        self.row_pace.observe(verified, accepted, self.expected_tokens(k) - 1)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Only rows `keep` (indices into the live rows) go on, in that order (the engine's compaction)."""
+        self.row_pace.keep(keep)
 
     def tail(self, k: int, remaining: list[int] | None) -> float:
         """How much longer than its rows' mean progress a batch's speculation runs: rows accept by chance, and the
@@ -394,8 +414,32 @@ class SpeculationController:
 
         return bool((cut < lengths).any()) and rate(cut) > rate(lengths)
 
+    def call_seconds(self, k: int, remaining: list[int]) -> float:
+        """Seconds to decode the `remaining` tokens of each live row with steps of k: a row emits
+        1 + r (E(k) - 1) tokens a step, r its accepted drafts over those expected (row_pace.py; 1 for rows it does
+        not track), and while some rows are done the step costs what it costs at the rows left (in at most
+        SEGMENTS groups of rows finishing together, each priced at the rows live when it starts), times the chance
+        tail of the last row (`tail`). Priced by the rows' mean, lists at batch 4, T=0 (48 tokens, stop tokens off,
+        the default run's warm start) ran 0.937-0.969x plain decoding in three sittings, priced so 0.966-1.012x
+        (0.987x with the pace's defaults, where the chain task at batch 4, T=1 ran 1.172x against the mean's 1.182x;
+        in-process A/Bs, medians of 5-6 rounds, results/LOG.md stop 56)."""
+        rows = len(remaining)
+        drafts = self.expected_tokens(k) - 1 if k else 0.0
+        ratios = self.row_pace.ratios() if k and self.row_pace.rows() == rows else [1.0] * rows
+        steps = sorted(left / (1 + r * drafts) for left, r in zip(remaining, ratios, strict=True))
+        stride = -(-rows // SEGMENTS)
+        seconds, done = 0.0, 0.0
+        for first in range(0, rows, stride):
+            end = steps[min(first + stride, rows) - 1]
+            seconds += (end - done) * self.step_seconds(rows - first, k)
+            done = end
+        return seconds * self.tail(k, remaining)
+
     def tokens_per_second(self, rows: int, k: int, remaining: list[int] | None = None) -> float:
-        """Tokens per second of a step of k, at the pace of the batch's last row (`tail`)."""
+        """Tokens per second of steps of k: with known lengths in a call of several rows, over the whole call
+        (`call_seconds`; also for its last row); else a step's, at the pace of the batch's last row (`tail`)."""
+        if remaining and self.row_pace.batch > 1:
+            return sum(remaining) / self.call_seconds(k, remaining)
         return rows * self.expected_tokens(k) / self.tail(k, remaining) / self.step_seconds(rows, k)
 
     def choose(self, rows: int, remaining: list[int] | None = None) -> int:

@@ -235,6 +235,8 @@ def generate(
         cache.keep_rows(keep)
         if drafter is not None:
             drafter.keep_rows(keep)
+        if controller is not None:
+            controller.keep_rows(keep)
 
     hit_stop = torch.isin(pending, stop_ids)
     done = hit_stop | (n_out >= limit)
@@ -388,4 +390,5 @@ def _count_step(
         if controller.probing:
             reached_at[controller.probe_rows:] = False
         reached = reached_at.sum(0).tolist()
+        controller.observe_rows(k, num_drafts > 0, accepted)
         controller.observe(k, reached, accepted_at, live, verify_s, draft_s, fed)
