@@ -422,7 +422,8 @@ class SpeculationController:
         tail of the last row (`tail`). Priced by the rows' mean, lists at batch 4, T=0 (48 tokens, stop tokens off,
         the default run's warm start) ran 0.937-0.969x plain decoding in three sittings, priced so 0.966-1.012x
         (0.987x with the pace's defaults, where the chain task at batch 4, T=1 ran 1.172x against the mean's 1.182x;
-        in-process A/Bs, medians of 5-6 rounds, results/LOG.md stop 56)."""
+        in-process A/Bs, medians of 5-6 rounds; one `bench draft` run read 0.889x on that lists cell, results/LOG.md
+        stop 56)."""
         rows = len(remaining)
         drafts = self.expected_tokens(k) - 1 if k else 0.0
         ratios = self.row_pace.ratios() if k and self.row_pace.rows() == rows else [1.0] * rows
