@@ -64,14 +64,46 @@ def step_end(setting: str) -> dict[str, float]:
         release_free_memory()
         out["time/release_memory_s"] = time.perf_counter() - t
     out["memory/rss_mib"] = rss_mib() or float("nan")
+    warn_if_near_full(out["memory/rss_mib"], setting)
     return out
+
+
+NEAR_FULL = 0.85  # share of the machine's memory past which a step warns: the next steps may swap or be killed
+_warned = False
+
+
+def warn_if_near_full(rss: float, setting: str, total: float | None = None) -> bool:
+    """Warn once per process when resident memory `rss` (MiB) passes NEAR_FULL of the machine's (`total`, MiB;
+    read from /proc/meminfo by default). Under `keep` the heap only grows, and a step whose tensors change shape
+    from batch to batch (DFlash's and DSpark's sampled blocks) can grow it step after step until the host swaps."""
+    global _warned
+    total = total or mem_total_mib()
+    if _warned or total is None or not rss > NEAR_FULL * total:
+        return False
+    _warned = True
+    log.warning("resident memory %.1f GiB is %.0f%% of this machine's %.1f GiB: the next steps may swap or be "
+                "killed. %sSmaller steps need less (draft_train.batch_size, draft.num_anchors, rl.prompts_per_step).",
+                rss / 1024, 100 * rss / total, total / 1024,
+                "run.host_memory=release hands freed memory back after each step (each step then faults its "
+                "pages in again). " if setting == "keep" else "")
+    return True
+
+
+def mem_total_mib() -> float | None:
+    """This machine's memory in MiB from /proc/meminfo (Linux); None where unreadable."""
+    return _proc_mib("/proc/meminfo", "MemTotal:")
 
 
 def rss_mib(pid: int | str = "self") -> float | None:
     """Resident memory of process `pid` (default this one) in MiB from /proc (Linux); None where unreadable."""
+    return _proc_mib(f"/proc/{pid}/status", "VmRSS:")
+
+
+def _proc_mib(path: str, field: str) -> float | None:
+    """A `field:  N kB` line of a /proc file in MiB; None where the file or the field is missing."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass

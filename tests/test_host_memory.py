@@ -55,3 +55,16 @@ def test_releasing_free_memory_returns_freed_heap_pages_kept_below_a_live_block(
 def test_rss_of_this_process_is_positive_and_of_a_missing_process_none():
     assert rss_mib() > 0
     assert rss_mib(2**31 - 1) is None
+
+
+def test_near_full_memory_warns_once_naming_what_would_lower_it(monkeypatch, caplog):
+    from codraft import host_memory
+
+    monkeypatch.setattr(host_memory, "_warned", False)
+    assert not host_memory.warn_if_near_full(800.0, "keep", total=1000.0)  # below NEAR_FULL: quiet
+    with caplog.at_level("WARNING", logger="codraft.host_memory"):
+        assert host_memory.warn_if_near_full(900.0, "keep", total=1000.0)
+        assert not host_memory.warn_if_near_full(990.0, "keep", total=1000.0)  # once per process
+    assert len(caplog.records) == 1
+    assert "run.host_memory=release" in caplog.text and "draft.num_anchors" in caplog.text
+    assert host_memory.mem_total_mib() > 0
