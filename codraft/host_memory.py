@@ -77,8 +77,10 @@ def warn_if_near_full(rss: float, setting: str, total: float | None = None) -> b
     read from /proc/meminfo by default). Under `keep` the heap only grows, and a step whose tensors change shape
     from batch to batch (DFlash's and DSpark's sampled blocks) can grow it step after step until the host swaps."""
     global _warned
+    if _warned:  # once warned, no step reads /proc/meminfo again
+        return False
     total = total or mem_total_mib()
-    if _warned or total is None or not rss > NEAR_FULL * total:
+    if total is None or not rss > NEAR_FULL * total:
         return False
     _warned = True
     log.warning("resident memory %.1f GiB is %.0f%% of this machine's %.1f GiB: the next steps may swap or be "
