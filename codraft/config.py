@@ -150,6 +150,10 @@ class DraftConfig:
     ttt_decay: float = 0.8
     draft_vocab_size: int = 8192  # most frequent tokens (0 = all): EAGLE-3's head, DFlash/DSpark's drafted ones
     head_from_policy: bool = False  # a fresh draft's norm + head start as the policy's (its draft-vocab rows)
+    # a fresh draft's layer starts as this policy layer (its attention reading the fused taps, the embedding's
+    # half zero; MLP and norms), and fc passes the highest tap through: with layer = highest tap + 1 the draft
+    # starts as the policy's next layer. None: random
+    layer_from_policy: int | None = None
     # the dtype of the draft's matmuls in rollouts on CPU (its weights and training stay in model.dtype): auto =
     # int8 where torch has the x86/fbgemm quantized engine (per-channel weights, per-call activations: a quarter of
     # fp32's bytes, 0.75-0.82x a bf16 draft step's time, acceptance within noise: models/linear.py), else bfloat16
@@ -182,6 +186,15 @@ class DraftConfig:
         if self.tap_layers is not None and num_policy_layers is not None:
             bad = [i for i in self.tap_layers if not 0 <= i < num_policy_layers]
             require(not bad, "draft.tap_layers", f"layers of the policy, in [0, {num_policy_layers - 1}]", bad)
+        if self.layer_from_policy is not None:
+            require(self.family == "eagle3", "draft.layer_from_policy",
+                    "unset for DFlash and DSpark (their layers read blocks, no policy layer's input)",
+                    self.layer_from_policy)
+            last = f"{num_policy_layers - 1}" if num_policy_layers is not None else "L - 1"
+            require(self.layer_from_policy >= 0 and (num_policy_layers is None
+                                                     or self.layer_from_policy < num_policy_layers),
+                    "draft.layer_from_policy", f"a layer of the policy, in [0, {last}], or unset",
+                    self.layer_from_policy)
         if self.mask_token_id is not None and policy_vocab_size is not None:
             require(0 <= self.mask_token_id < policy_vocab_size, "draft.mask_token_id",
                     f"an id of the policy's vocabulary, in [0, {policy_vocab_size - 1}] (or unset: a spare id)",
@@ -419,10 +432,13 @@ class DraftTrainConfig:
     save_every: int = 0  # steps between exported drafts; 0 = only at the end
     eval_k: int = 7  # speculative tokens in the eval (EAGLE-3; DFlash/DSpark use draft.block_size - 1)
     eval_max_new_tokens: int = 32
+    # sampling seeds of the T=1 eval (run.seed, run.seed + 1, ...; eval.json has their mean and each): one draft's
+    # T=1 tau read 2.29-2.61 across three seeds (README), more than most warm-start levers moved it
+    eval_seeds: int = 3
 
     def validate(self) -> None:
         for name in ("num_prompts", "held_out_prompts", "steps", "batch_size", "max_new_tokens",
-                     "generate_batch_size", "eval_k", "eval_max_new_tokens"):
+                     "generate_batch_size", "eval_k", "eval_max_new_tokens", "eval_seeds"):
             require(getattr(self, name) >= 1, f"draft_train.{name}", ">= 1", getattr(self, name))
         require(self.lr > 0, "draft_train.lr", "> 0", self.lr)
         require(0 <= self.min_lr_ratio <= 1, "draft_train.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)

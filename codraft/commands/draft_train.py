@@ -2,7 +2,8 @@
 
 Writes `<run_dir>/metrics.jsonl`, the exported draft `<run_dir>/draft/` (every `draft_train.save_every`
 steps and at the end, atomically) and `<run_dir>/eval.json`: held-out acceptance with the real rollout
-engine at temperature 0 and 1. Start RL from it with `codraft train checkpoint.draft_init=<run_dir>/draft`.
+engine at temperature 0 and 1 (T=1: the mean over `draft_train.eval_seeds` sampling seeds, and each).
+Start RL from it with `codraft train checkpoint.draft_init=<run_dir>/draft`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def main(cfg: Config) -> int:
         export_draft(draft, run_dir / "draft", trained_on)
         k = eval_k(cfg.draft, dt.eval_k)
         results = measure_acceptance(policy, draft, held_out, k=k, max_new_tokens=dt.eval_max_new_tokens,
-                                     seed=cfg.run.seed)
+                                     seed=cfg.run.seed, sampled_seeds=dt.eval_seeds)
         metrics.log(dt.steps, acceptance_metrics(results))
     (run_dir / "eval.json").write_text(json.dumps(results | {"family": cfg.draft.family, "steps": dt.steps},
                                                   indent=2) + "\n")
-    log.info("draft-train done: %s; tau %.3f (t=0), %.3f (t=1) at k=%d on %d held-out prompts", run_dir / "draft",
-             results["temperature_0"]["tau"], results["temperature_1"]["tau"], k, len(held_out))
+    log.info("draft-train done: %s; tau %.3f (t=0), %.3f (t=1, mean of %d seeds) at k=%d on %d held-out prompts",
+             run_dir / "draft", results["temperature_0"]["tau"], results["temperature_1"]["tau"], dt.eval_seeds, k,
+             len(held_out))
     return 0

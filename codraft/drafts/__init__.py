@@ -28,6 +28,8 @@ def build_draft(cfg: DraftConfig, policy: Transformer, tokenizer: Tokenizer | No
         draft = eagle3.Eagle3Draft(cfg, args, token_counts=counts)
         if cfg.head_from_policy:
             draft.copy_policy_head(policy)
+        if cfg.layer_from_policy is not None:
+            draft.copy_policy_layer(policy, cfg.layer_from_policy)
     elif cfg.family in ("dflash", "dspark"):
         family = dflash.DFlashDraft if cfg.family == "dflash" else dspark.DSparkDraft
         special = tuple(tokenizer.eos_token_ids) if tokenizer is not None else ()

@@ -116,6 +116,33 @@ class Eagle3Draft(DraftModel):
         self.lm_head.weight.copy_(policy.lm_head.weight[self.draft_ids()])
         self.norm.weight.copy_(policy.norm.weight)
 
+    @torch.no_grad()
+    def copy_policy_layer(self, policy: nn.Module, index: int) -> None:
+        """Start the layer as policy layer `index` reading the highest tap: fc passes that tap through, the
+        attention's hidden half and hidden_norm, o_proj, the MLP and its norm are the policy layer's, the
+        embedding's half of q/k/v is zero (the gradient still reaches it). With `index` = highest tap + 1, step 0
+        then outputs the policy's residual stream after that layer."""
+        layers = getattr(policy, "layers", {})
+        if str(index) not in layers:
+            raise ValueError(f"draft.layer_from_policy={index}: this policy holds layers "
+                             f"{', '.join(layers) or 'none'} (under pipeline parallelism the draft's stage must "
+                             "hold the layer)")
+        src, dst, H = layers[str(index)], self.midlayer, self.policy_args.hidden_size
+        if src.self_attn.q_norm is not None or src.self_attn.q_proj.bias is not None:
+            raise ValueError(f"draft.layer_from_policy={index}: the policy's layers have q/k norms or attention "
+                             "biases, which EAGLE-3's layer has not; leave it unset")
+        fc = self.fusion.fc.weight
+        fc.zero_()
+        fc[:, -H:] = torch.eye(H, dtype=fc.dtype, device=fc.device)
+        dst.hidden_norm.weight.copy_(src.input_layernorm.weight)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = getattr(dst.self_attn, name).weight
+            weight[:, :H] = 0.0
+            weight[:, H:] = getattr(src.self_attn, name).weight
+        dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+        dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        dst.mlp.load_state_dict(src.mlp.state_dict())
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Pre-norm layer output [.., H] -> draft-vocab logits [.., N]."""
         return self.lm_head(self.norm(hidden))

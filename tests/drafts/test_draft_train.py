@@ -44,6 +44,9 @@ def test_draft_train_lowers_the_loss_and_writes_metrics_draft_and_eval(tmp_path,
     for temperature in ("temperature_0", "temperature_1"):
         assert 1 <= result[temperature]["tau"] <= 8
         assert len(result[temperature]["accept_rate_per_position"]) <= 7
+    sampled = result["temperature_1"]  # draft_train.eval_seeds (3) seeds from run.seed (0); greedy runs once
+    assert sampled["seeds"] == [0, 1, 2] and "seeds" not in result["temperature_0"]
+    assert sampled["tau"] == pytest.approx(sum(sampled["tau_per_seed"]) / 3)
 
 
 @pytest.mark.parametrize("host_memory", ["keep", "release"])

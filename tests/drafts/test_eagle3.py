@@ -410,6 +410,41 @@ def test_a_draft_built_with_head_from_policy_decodes_hidden_states_as_the_policy
     assert not torch.allclose(random.head(hidden), policy.logits(hidden)[:, random.draft_ids()])
 
 
+def test_a_draft_built_with_layer_from_policy_starts_as_the_policys_next_layer():
+    """Taps 0, 1, L-2, the layer from L-1 and the head from the policy: TTT step 0 gives the policy's own logits
+    at every position, since fc passes layer L-2's output to a copy of layer L-1 and the embedding's half is 0."""
+    from codraft.drafts import build_draft
+    from tests.drafts.blocks import draft_config, tiny_policy
+
+    policy = tiny_policy(dtype=torch.float64, num_layers=4)
+    cfg = draft_config("eagle3", draft_vocab_size=0, tap_layers=[0, 1, 2], layer_from_policy=3, head_from_policy=True)
+    draft = build_draft(cfg, policy, None, [])
+    ids = torch.randint(0, policy.args.vocab_size, (1, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = policy(ids, taps=draft.tap_layers)
+        feats = draft.fuse({layer: t[0] for layer, t in out.taps.items()})
+        logits = draft.ttt_forward(feats, ids[0], torch.tensor([0, 11]), torch.arange(11), steps=1)[0]
+    torch.testing.assert_close(logits, out.logits[0])
+    # the embedding's half is zero but trainable: the loss reaches it
+    embed_half = draft.midlayer.self_attn.q_proj.weight[:, : policy.args.hidden_size]
+    assert not embed_half.any() and embed_half.requires_grad
+
+
+def test_layer_from_policy_names_what_would_be_valid():
+    from codraft.config import ConfigError
+    from codraft.drafts import build_draft
+    from tests.drafts.blocks import draft_config, tiny_policy
+
+    policy = tiny_policy(num_layers=4)
+    with pytest.raises(ConfigError, match=r"draft.layer_from_policy.*\[0, 3\]"):
+        build_draft(draft_config("eagle3", layer_from_policy=4), policy)
+    with pytest.raises(ConfigError, match="draft.layer_from_policy.*DFlash"):
+        draft_config("dflash", layer_from_policy=1).validate()
+    qwen = Transformer(ModelArgs(**(vars(policy.args) | {"qk_norm": True})))
+    with pytest.raises(ValueError, match="q/k norms"):
+        build_draft(draft_config("eagle3", layer_from_policy=3), qwen)
+
+
 def test_a_stopped_proposal_is_the_first_drafts_of_the_whole_one(trained):
     """`stop` is asked after each draft but the last, with the confidences so far; where it says stop, the proposal
     is the first drafts of the one it would have made (the next draft forward is not run)."""
