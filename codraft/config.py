@@ -150,10 +150,9 @@ class DraftConfig:
     ttt_decay: float = 0.8
     draft_vocab_size: int = 8192  # most frequent tokens (0 = all): EAGLE-3's head, DFlash/DSpark's drafted ones
     head_from_policy: bool = False  # a fresh draft's norm + head start as the policy's (its draft-vocab rows)
-    # a fresh draft's layer starts as this policy layer (its attention reading the fused taps, the embedding's
-    # half zero; MLP and norms), and fc passes the highest tap through: with layer = highest tap + 1 the draft
-    # starts as the policy's next layer. None: random
-    layer_from_policy: int | None = None
+    # fc then passes the highest tap through and the layer's attention reads it as the policy layer would (the
+    # embedding's half starts at zero): with the highest tap + 1 the draft starts as the policy's next layer
+    layer_from_policy: int | None = None  # EAGLE-3: a fresh draft's layer starts as this policy layer; None: random
     # the dtype of the draft's matmuls in rollouts on CPU (its weights and training stay in model.dtype): auto =
     # int8 where torch has the x86/fbgemm quantized engine (per-channel weights, per-call activations: a quarter of
     # fp32's bytes, 0.75-0.82x a bf16 draft step's time, acceptance within noise: models/linear.py), else bfloat16
@@ -432,9 +431,8 @@ class DraftTrainConfig:
     save_every: int = 0  # steps between exported drafts; 0 = only at the end
     eval_k: int = 7  # speculative tokens in the eval (EAGLE-3; DFlash/DSpark use draft.block_size - 1)
     eval_max_new_tokens: int = 32
-    # sampling seeds of the T=1 eval (run.seed, run.seed + 1, ...; eval.json has their mean and each): one draft's
-    # T=1 tau read 2.29-2.61 across three seeds (README), more than most warm-start levers moved it
-    eval_seeds: int = 3
+    # one draft's T=1 tau read 2.29-2.61 across three seeds (README), more than most warm-start levers moved it
+    eval_seeds: int = 3  # sampling seeds of the T=1 eval, from run.seed (eval.json: their mean and each)
 
     def validate(self) -> None:
         for name in ("num_prompts", "held_out_prompts", "steps", "batch_size", "max_new_tokens",

@@ -74,8 +74,8 @@ _warned = False
 
 def warn_if_near_full(rss: float, setting: str, total: float | None = None) -> bool:
     """Warn once per process when resident memory `rss` (MiB) passes NEAR_FULL of the machine's (`total`, MiB;
-    read from /proc/meminfo by default). Under `keep` the heap only grows, and a step whose tensors change shape
-    from batch to batch (DFlash's and DSpark's sampled blocks) can grow it step after step until the host swaps."""
+    read from /proc/meminfo by default). Under `keep` the heap only grows: DFlash's and DSpark's distillation
+    steps grew it step after step until the host swapped (README, "Host memory"; the cause is not isolated)."""
     global _warned
     if _warned:  # once warned, no step reads /proc/meminfo again
         return False
