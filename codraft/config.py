@@ -187,7 +187,8 @@ class DraftConfig:
             require(not bad, "draft.tap_layers", f"layers of the policy, in [0, {num_policy_layers - 1}]", bad)
         if self.layer_from_policy is not None:
             require(self.family == "eagle3", "draft.layer_from_policy",
-                    "unset for DFlash and DSpark (their layers read blocks, no policy layer's input)",
+                    "unset unless draft.family is eagle3 (DFlash's and DSpark's layers read blocks, not a policy "
+                    "layer's input)",
                     self.layer_from_policy)
             last = f"{num_policy_layers - 1}" if num_policy_layers is not None else "L - 1"
             require(self.layer_from_policy >= 0 and (num_policy_layers is None
