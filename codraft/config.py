@@ -188,13 +188,10 @@ class DraftConfig:
         if self.layer_from_policy is not None:
             require(self.family == "eagle3", "draft.layer_from_policy",
                     "unset unless draft.family is eagle3 (DFlash's and DSpark's layers read blocks, not a policy "
-                    "layer's input)",
-                    self.layer_from_policy)
-            last = f"{num_policy_layers - 1}" if num_policy_layers is not None else "L - 1"
-            require(self.layer_from_policy >= 0 and (num_policy_layers is None
-                                                     or self.layer_from_policy < num_policy_layers),
-                    "draft.layer_from_policy", f"a layer of the policy, in [0, {last}], or unset",
-                    self.layer_from_policy)
+                    "layer's input)", self.layer_from_policy)
+        if self.layer_from_policy is not None and num_policy_layers is not None:
+            require(0 <= self.layer_from_policy < num_policy_layers, "draft.layer_from_policy",
+                    f"a layer of the policy, in [0, {num_policy_layers - 1}], or unset", self.layer_from_policy)
         if self.mask_token_id is not None and policy_vocab_size is not None:
             require(0 <= self.mask_token_id < policy_vocab_size, "draft.mask_token_id",
                     f"an id of the policy's vocabulary, in [0, {policy_vocab_size - 1}] (or unset: a spare id)",

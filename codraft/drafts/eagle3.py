@@ -122,15 +122,14 @@ class Eagle3Draft(DraftModel):
         attention's hidden half and hidden_norm, o_proj, the MLP and its norm are the policy layer's, the
         embedding's half of q/k/v is zero (the gradient still reaches it). With `index` = highest tap + 1, step 0
         then outputs the policy's residual stream after that layer."""
-        layers = getattr(policy, "layers", {})
-        if str(index) not in layers:
-            raise ValueError(f"draft.layer_from_policy={index}: this policy holds layers "
-                             f"{', '.join(layers) or 'none'} (under pipeline parallelism the draft's stage must "
-                             "hold the layer)")
-        src, dst, H = layers[str(index)], self.midlayer, self.policy_args.hidden_size
-        if src.self_attn.q_norm is not None or src.self_attn.q_proj.bias is not None:
+        if self.policy_args.qk_norm or self.policy_args.attention_bias:
             raise ValueError(f"draft.layer_from_policy={index}: the policy's layers have q/k norms or attention "
                              "biases, which EAGLE-3's layer has not; leave it unset")
+        if str(index) not in policy.layers:
+            raise ValueError(f"draft.layer_from_policy={index}: this policy holds layers "
+                             f"{', '.join(policy.layers) or 'none'} (under pipeline parallelism the draft's stage "
+                             "must hold the layer)")
+        src, dst, H = policy.layers[str(index)], self.midlayer, self.policy_args.hidden_size
         fc = self.fusion.fc.weight
         fc.zero_()
         fc[:, -H:] = torch.eye(H, dtype=fc.dtype, device=fc.device)

@@ -33,17 +33,18 @@ def measure_acceptance(policy: Transformer, draft: DraftModel, prompts: list[lis
                          verification=verification).stats
                 for i in range(sampled_seeds if temperature > 0 else 1)]
         taus = [s.acceptance_length for s in runs]
+        tau = sum(taus) / len(taus)
         rates = [sum(r) / len(runs) for r in zip(*(s.accept_rate_per_position for s in runs), strict=True)]
+        per_seed = {"seeds": [seed + i for i in range(len(runs))], "tau_per_seed": taus} if len(runs) > 1 else {}
         results[f"temperature_{temperature:g}"] = {
-            "tau": sum(taus) / len(taus),
+            "tau": tau,
             "accept_rate_per_position": rates,
             "tokens": sum(s.tokens_generated for s in runs),
             "draft_tokens": sum(s.draft_tokens_proposed for s in runs),
             "accepted_tokens": sum(s.draft_tokens_accepted for s in runs),
-        } | ({"seeds": [seed + i for i in range(len(runs))], "tau_per_seed": taus} if len(runs) > 1 else {})
-        log.info("held-out acceptance at temperature %g, k=%d: tau %.3f%s, per position %s", temperature, k,
-                 sum(taus) / len(taus), f" (mean of seeds: {', '.join(f'{t:.3f}' for t in taus)})"
-                 if len(runs) > 1 else "", [round(r, 3) for r in rates])
+        } | per_seed
+        log.info("held-out acceptance at temperature %g, k=%d: tau %.3f (per seed %s), per position %s", temperature, k,
+                 tau, [round(t, 3) for t in taus], [round(r, 3) for r in rates])
     return results
 
 
