@@ -20,6 +20,9 @@ tokens); its speedup is the median over rounds of that run's time / the adaptive
 Beside it the decode phase alone (each round's prefill seconds taken out of its time) and the prefill's share of
 plain decoding's time: at 48 new tokens a batch of 8 spent ~30% of its time in the prefill (README), which a
 draft cannot shorten.
+Past EOS (stop tokens off): the share of plain decoding's tokens that come after each row's first stop token, text
+a rollout never produces and a draft distilled from rollouts never saw (on the chain task at 48 tokens, most of them:
+its answers end after 8-19 tokens), so its acceptance there is not the acceptance RL rollouts get.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
 at fixed k, as a share of a plain decode step at the same batch; the first proposal of each call, which absorbs
 the prompt, is counted as prefill.
@@ -171,6 +174,13 @@ def speed_runs(policy: Transformer, draft: DraftModel, groups: list[list[list[in
     return runs
 
 
+def past_stop_share(tokens: list[list[int]], stop_ids: Sequence[int]) -> float:
+    """The share of `tokens` (rows decoded with stop tokens off) that come after each row's first stop token."""
+    stops = set(stop_ids)
+    ends = [next((i + 1 for i, t in enumerate(row) if t in stops), len(row)) for row in tokens]
+    return sum(len(row) - end for row, end in zip(tokens, ends, strict=True)) / max(sum(map(len, tokens)), 1)
+
+
 def draft_cost_share(spec: Rollout, ar: Rollout, per_token: bool) -> float:
     """The draft's seconds per proposal (per drafted position if `per_token`) / a plain decode step's seconds.
 
@@ -223,6 +233,8 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
             outputs[f"spec_t{t:g}"].stats.tokens_generated / median(decode_times[f"spec_t{t:g}"])
             / (outputs[f"ar_t{t:g}"].stats.tokens_generated / median(decode_times[f"ar_t{t:g}"])))
         result[f"prefill_share_t{t:g}"] = median(prefill[f"ar_t{t:g}"]) / median(times[f"ar_t{t:g}"])
+        if not stop_tokens:
+            result[f"past_stop_share_t{t:g}"] = past_stop_share(outputs[f"ar_t{t:g}"].tokens, policy.args.eos_token_id)
         result[f"spec_k_histogram_t{t:g}"] = dict(sorted(Counter(outputs[f"spec_t{t:g}"].stats.k_chosen).items()))
         result[f"spec_drafted_per_step_t{t:g}"] = outputs[f"spec_t{t:g}"].stats.drafts_per_step
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
@@ -268,16 +280,19 @@ def tables(payload: dict) -> str:
             f"{payload['max_new_tokens']} new tokens at most, sampled drafts judged by " \
             f"{payload.get('verification', 'token')} verification.\n\n"
     unit = "token" if payload["family"] == "eagle3" else "block"
-    nan = float("nan")  # no length-matched run: T = 0 or stop tokens off, where lengths already match
+    # n/a: no length-matched run (T = 0 or stop tokens off, where lengths already match), no past-EOS share (stops on)
+    nan = float("nan")
     rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],
-             r[f"spec_speedup_t{t:g}"], r.get(f"prefill_share_t{t:g}", nan), r.get(f"spec_speedup_decode_t{t:g}", nan),
+             r[f"spec_speedup_t{t:g}"], r.get(f"past_stop_share_t{t:g}", nan), r.get(f"prefill_share_t{t:g}", nan),
+             r.get(f"spec_speedup_decode_t{t:g}", nan),
              r["tokens_per_s"].get(f"ar_matched_t{t:g}", nan),
              r.get(f"spec_speedup_length_matched_t{t:g}", nan), r[f"spec_tau_t{t:g}"],
              str(r[f"spec_k_histogram_t{t:g}"]), r.get(f"spec_drafted_per_step_t{t:g}", nan),
              r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"],
              r[f"draft_cost_share_t{t:g}"],
              r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
-    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "prefill share of AR time",
+    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "AR tokens past EOS",
+                            "prefill share of AR time",
                             "adaptive speedup, decode only",
                             "length-matched AR tok/s", "adaptive speedup, length-matched", "adaptive tau",
                             "adaptive k used", "adaptive drafts per step", f"k={k} speedup", f"k={k} tau",
@@ -291,6 +306,9 @@ def tables(payload: dict) -> str:
             "work with and without a draft); prefill share: the plain run's prefill seconds / its time, medians.\n" \
             "Adaptive k used: the most each step could draft; drafts per step: what its steps drafted on average " \
             "(a chain draft ends a proposal early where its calibrated confidence no longer pays).\n"
+    if not payload.get("stop_tokens"):
+        text += "AR tokens past EOS: the share of plain decoding's tokens after each row's first stop token (text " \
+                "a rollout would not have produced, which a draft distilled from rollouts never saw).\n"
     if payload.get("stop_tokens"):
         text += "Length-matched (T > 0): plain decoding with stop tokens off and each row limited to the length the " \
                 "adaptive run gave it in the same round; its speedup is the median over rounds of that run's time / " \

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from codraft.bench.draft import past_training_prompts, prompt_groups, run_draft_bench, speed_runs
+from codraft.bench.draft import past_stop_share, past_training_prompts, prompt_groups, run_draft_bench, speed_runs
 from codraft.bench.report import interleaved, median
 from codraft.cli import main
 from codraft.config import DraftConfig, load_config
@@ -119,9 +119,13 @@ def test_bench_draft_reports_the_length_matched_speedup_in_json_and_table(tmp_pa
     column = header.index("adaptive speedup, length-matched")
     t0, t1 = rows
     assert t0[column] == "n/a" and "spec_speedup_length_matched_t0" not in speed
-    if not stop_tokens:
+    past = header.index("AR tokens past EOS")
+    if not stop_tokens:  # the tiny policy stops often: rows decoded on past their first EOS
+        assert 0 < speed["past_stop_share_t0"] < 1 and t0[past] == f"{speed['past_stop_share_t0']:.3g}"
+        assert "AR tokens past EOS: the share" in text
         assert t1[column] == "n/a" and "ar_matched_t1" not in speed["times_s"] and "Length-matched" not in text
         return
+    assert "past_stop_share_t0" not in speed and t0[past] == t1[past] == "n/a"
     ratio = median([a / s for a, s in zip(speed["times_s"]["ar_matched_t1"], speed["times_s"]["spec_t1"],
                                           strict=True)])
     assert speed["spec_speedup_length_matched_t1"] == pytest.approx(ratio) and ratio > 0
@@ -130,6 +134,11 @@ def test_bench_draft_reports_the_length_matched_speedup_in_json_and_table(tmp_pa
     assert tokens["spec"] == tokens["ar_matched"] < 4 * 16  # some rows stopped early, and plain matched them
     assert tokens["ar_matched"] == pytest.approx(
         speed["tokens_per_s"]["ar_matched_t1"] * median(speed["times_s"]["ar_matched_t1"]))
+
+
+def test_past_stop_share_counts_the_tokens_after_each_rows_first_stop_token():
+    assert past_stop_share([[5, 2, 7, 2, 9], [1, 1, 1], [2]], stop_ids=[2]) == pytest.approx(3 / 9)
+    assert past_stop_share([[5, 6]], stop_ids=[]) == 0
 
 
 def test_bench_draft_reports_the_decode_phase_without_each_rounds_prefill(tmp_path):
