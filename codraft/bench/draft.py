@@ -17,6 +17,9 @@ With stop tokens on, sampled (T > 0) runs also end at different lengths, so besi
 run decodes, in each round after the adaptive run, with stop tokens off and every row limited to the length
 the adaptive run gave it in that round (plain decoding's cost depends on token counts and contexts, not on which
 tokens); its speedup is the median over rounds of that run's time / the adaptive run's time.
+Each cell also gives its rounds' spread: plain time / adaptive time round by round, of the same tokens (stop tokens
+off or greedy: the plain run; else the length-matched one). On a shared 2-core host one round of a cell whose
+controller is off moves by +-5-10%, more than a 0.97 floor's margin; the spread says how far a median can be trusted.
 Beside it the decode phase alone (each round's prefill seconds taken out of its time) and the prefill's share of
 plain decoding's time: at 48 new tokens a batch of 8 spent ~30% of its time in the prefill (README), which a
 draft cannot shorten.
@@ -239,9 +242,13 @@ def measure_speedup(policy: Transformer, draft: DraftModel, prompts: list[list[i
         result[f"spec_drafted_per_step_t{t:g}"] = outputs[f"spec_t{t:g}"].stats.drafts_per_step
         result[f"draft_cost_share_t{t:g}"] = draft_cost_share(outputs[f"fixed_t{t:g}"], outputs[f"ar_t{t:g}"],
                                                              per_token=draft.family == "eagle3")
-        if f"ar_matched_t{t:g}" in times:  # each round's plain time at that round's adaptive lengths
-            result[f"spec_speedup_length_matched_t{t:g}"] = median(
-                [a / s for a, s in zip(times[f"ar_matched_t{t:g}"], times[f"spec_t{t:g}"], strict=True)])
+        matched = f"ar_matched_t{t:g}" in times  # each round's plain time at that round's adaptive lengths
+        # per round, plain time / adaptive time of the same tokens: where the lengths are fixed (stop tokens off, or
+        # greedy), the plain run's; else the length-matched run's. Their spread is the host's noise on one cell
+        plain = times[f"ar_matched_t{t:g}" if matched else f"ar_t{t:g}"]
+        result[f"spec_speedup_rounds_t{t:g}"] = [a / s for a, s in zip(plain, times[f"spec_t{t:g}"], strict=True)]
+        if matched:
+            result[f"spec_speedup_length_matched_t{t:g}"] = median(result[f"spec_speedup_rounds_t{t:g}"])
             result[f"length_matched_tokens_t{t:g}"] = {
                 name: outputs[f"{name}_t{t:g}"].stats.tokens_generated for name in ("spec", "ar_matched")}
     log.info("batch %d: adaptive speedup %.2fx (t=0), %.2fx (t=1); fixed k %.2fx, %.2fx", batch,
@@ -267,6 +274,11 @@ def run_draft_bench(policy: Transformer, draft: DraftModel, prompts: list[list[i
     return payload
 
 
+def spread(values: list[float]) -> str:
+    """`low-high` of a cell's per-round values (n/a without any)."""
+    return f"{min(values):.3g}-{max(values):.3g}" if values else "n/a"
+
+
 def tables(payload: dict) -> str:
     k, acceptance = payload["k"], payload["acceptance"]
     rows = [[f"{t:g}", k, acceptance[f"temperature_{t:g}"]["tau"],
@@ -283,7 +295,8 @@ def tables(payload: dict) -> str:
     # n/a: no length-matched run (T = 0 or stop tokens off, where lengths already match), no past-EOS share (stops on)
     nan = float("nan")
     rows = [[r["batch"], f"{t:g}", r["tokens_per_s"][f"ar_t{t:g}"], r["tokens_per_s"][f"spec_t{t:g}"],
-             r[f"spec_speedup_t{t:g}"], r.get(f"past_stop_share_t{t:g}", nan), r.get(f"prefill_share_t{t:g}", nan),
+             r[f"spec_speedup_t{t:g}"], spread(r.get(f"spec_speedup_rounds_t{t:g}", [])),
+             r.get(f"past_stop_share_t{t:g}", nan), r.get(f"prefill_share_t{t:g}", nan),
              r.get(f"spec_speedup_decode_t{t:g}", nan),
              r["tokens_per_s"].get(f"ar_matched_t{t:g}", nan),
              r.get(f"spec_speedup_length_matched_t{t:g}", nan), r[f"spec_tau_t{t:g}"],
@@ -291,7 +304,8 @@ def tables(payload: dict) -> str:
              r[f"fixed_speedup_t{t:g}"], r[f"fixed_tau_t{t:g}"],
              r[f"draft_cost_share_t{t:g}"],
              r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
-    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "AR tokens past EOS",
+    text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "adaptive speedup, rounds",
+                            "AR tokens past EOS",
                             "prefill share of AR time",
                             "adaptive speedup, decode only",
                             "length-matched AR tok/s", "adaptive speedup, length-matched", "adaptive tau",
@@ -304,6 +318,8 @@ def tables(payload: dict) -> str:
             f"run decodes up to {SPEED_GROUPS} batches of distinct held-out prompts one after the other.\n" \
             "Decode only: the same with each round's prefill seconds taken out of its time (the prefill is the same " \
             "work with and without a draft); prefill share: the plain run's prefill seconds / its time, medians.\n" \
+            "Rounds: the lowest and highest of the rounds' plain time / adaptive time (the same tokens per row; " \
+            "with stop tokens on at T > 0 the length-matched run's), the spread of one cell on this host.\n" \
             "Adaptive k used: the most each step could draft; drafts per step: what its steps drafted on average " \
             "(a chain draft ends a proposal early where its calibrated confidence no longer pays).\n"
     if not payload.get("stop_tokens"):

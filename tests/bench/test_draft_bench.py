@@ -119,7 +119,14 @@ def test_bench_draft_reports_the_length_matched_speedup_in_json_and_table(tmp_pa
     column = header.index("adaptive speedup, length-matched")
     t0, t1 = rows
     assert t0[column] == "n/a" and "spec_speedup_length_matched_t0" not in speed
-    past = header.index("AR tokens past EOS")
+    past, rounds = header.index("AR tokens past EOS"), header.index("adaptive speedup, rounds")
+    times = speed["times_s"]
+    greedy = [a / s for a, s in zip(times["ar_t0"], times["spec_t0"], strict=True)]  # the same tokens every round
+    assert speed["spec_speedup_rounds_t0"] == pytest.approx(greedy) and len(greedy) == 2
+    assert t0[rounds] == f"{min(greedy):.3g}-{max(greedy):.3g}"
+    sampled = times["ar_matched_t1" if stop_tokens else "ar_t1"]
+    assert speed["spec_speedup_rounds_t1"] == pytest.approx([a / s for a, s in zip(sampled, times["spec_t1"],
+                                                                                      strict=True)])
     if not stop_tokens:  # the tiny policy stops often: rows decoded on past their first EOS
         assert 0 < speed["past_stop_share_t0"] < 1 and t0[past] == f"{speed['past_stop_share_t0']:.3g}"
         assert "AR tokens past EOS: the share" in text
