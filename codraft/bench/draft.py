@@ -24,8 +24,8 @@ Beside it the decode phase alone (each round's prefill seconds taken out of its 
 plain decoding's time: at 48 new tokens a batch of 8 spent ~30% of its time in the prefill (README), which a
 draft cannot shorten.
 Past EOS (stop tokens off): the share of plain decoding's tokens that come after each row's first stop token, text
-a rollout never produces and a draft distilled from rollouts never saw (on the chain task at 48 tokens, most of them:
-its answers end after 8-19 tokens), so its acceptance there is not the acceptance RL rollouts get.
+a rollout never produces and a draft distilled from rollouts never saw (on the chain task at 48 tokens, half of a
+greedy run's: its answers end after 8-19 tokens), so its acceptance there is not the acceptance RL rollouts get.
 Draft cost: the draft's seconds per proposal (per drafted token for EAGLE-3's chain, per block for DFlash/DSpark)
 at fixed k, as a share of a plain decode step at the same batch; the first proposal of each call, which absorbs
 the prompt, is counted as prefill.
@@ -305,9 +305,7 @@ def tables(payload: dict) -> str:
              r[f"draft_cost_share_t{t:g}"],
              r["greedy_tokens_identical"]] for r in payload["speedup"] for t in EVAL_TEMPERATURES]
     text += markdown_table(["batch", "T", "AR tok/s", "adaptive tok/s", "adaptive speedup", "adaptive speedup, rounds",
-                            "AR tokens past EOS",
-                            "prefill share of AR time",
-                            "adaptive speedup, decode only",
+                            "AR tokens past EOS", "prefill share of AR time", "adaptive speedup, decode only",
                             "length-matched AR tok/s", "adaptive speedup, length-matched", "adaptive tau",
                             "adaptive k used", "adaptive drafts per step", f"k={k} speedup", f"k={k} tau",
                             f"draft cost / decode step (per {unit})",
@@ -322,11 +320,11 @@ def tables(payload: dict) -> str:
             "with stop tokens on at T > 0 the length-matched run's), the spread of one cell on this host.\n" \
             "Adaptive k used: the most each step could draft; drafts per step: what its steps drafted on average " \
             "(a chain draft ends a proposal early where its calibrated confidence no longer pays).\n"
-    if not payload.get("stop_tokens"):
-        text += "AR tokens past EOS: the share of plain decoding's tokens after each row's first stop token (text " \
-                "a rollout would not have produced, which a draft distilled from rollouts never saw).\n"
     if payload.get("stop_tokens"):
         text += "Length-matched (T > 0): plain decoding with stop tokens off and each row limited to the length the " \
                 "adaptive run gave it in the same round; its speedup is the median over rounds of that run's time / " \
                 "the adaptive run's time, both decoding the same number of tokens per row.\n"
+    else:
+        text += "AR tokens past EOS: the share of plain decoding's tokens after each row's first stop token (text " \
+                "a rollout would not have produced, which a draft distilled from rollouts never saw).\n"
     return text
