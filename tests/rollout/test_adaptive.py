@@ -313,6 +313,19 @@ def test_a_fresh_controller_tests_its_prior_with_a_probe_then_follows_what_it_sa
     assert [useless.choose(8) for _ in range(15)] == [0] * 15
 
 
+def test_a_probe_does_not_teach_how_many_drafts_a_full_step_verifies():
+    """A probe drafts on its first probe_rows rows only: its forward's few drafts per row say nothing of a step of
+    k's, and learned from, made every k look nearly free at batch 32."""
+    c = controller_with_costs(decode_s=0.1, extra_per_token=0.5, rows=32, max_k=7)
+    observe_acceptance(c, 0.3, rows=32, steps=3, k=7)  # full steps: 7 drafts per row verified
+    assert c.verified_drafts(1) == pytest.approx(1)
+    c.probing = True
+    n = c.probe_rows
+    c.observe(7, [n] * 7, [n] * 7, 32, verify_s=0.2, draft_s=0.01, fed=32 + n * 7)
+    assert c.verified_drafts(1) == pytest.approx(1) and c.verified_drafts(7) == pytest.approx(7)
+    assert c.cost.points[round(4 * (32 + n * 7) / 32) / 4][32] == pytest.approx(0.2)  # its forward is still timed
+
+
 def simulated_tail(accept: list[float], k: int, rows: int, tokens: int, trials: int, seed: int = 0) -> float:
     """Steps until the last of `rows` rows has `tokens` tokens / the rows' mean steps, drafts accepted at random."""
     rng = random.Random(seed)
