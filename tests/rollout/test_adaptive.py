@@ -324,6 +324,10 @@ def test_a_probe_does_not_teach_how_many_drafts_a_full_step_verifies():
     c.observe(7, [n] * 7, [n] * 7, 32, verify_s=0.2, draft_s=0.01, fed=32 + n * 7)
     assert c.verified_drafts(1) == pytest.approx(1) and c.verified_drafts(7) == pytest.approx(7)
     assert c.cost.points[round(4 * (32 + n * 7) / 32) / 4][32] == pytest.approx(0.2)  # its forward is still timed
+    one = controller_with_costs(decode_s=0.03, extra_per_token=0.1, rows=1, max_k=7)  # a probe of every row: a step
+    one.probing = True
+    one.observe(7, [1] * 3 + [0] * 4, [1] * 2 + [0] * 5, 1, verify_s=0.05, draft_s=0.01, fed=4)  # verified 3 drafts
+    assert one.verified_drafts(7) == pytest.approx(3)
 
 
 def simulated_tail(accept: list[float], k: int, rows: int, tokens: int, trials: int, seed: int = 0) -> float:
