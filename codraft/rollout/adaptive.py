@@ -474,6 +474,11 @@ class SpeculationController:
         self.probing = True
         return min(self.probe_k, self.max_k)
 
+    def samples_all(self, rows: int) -> bool:
+        """The last choice drafts for all `rows` rows: not a probe of its first `probe_rows` rows only, whose draft
+        time and drafts per row are not a step's."""
+        return not self.probing or self.probe_rows >= rows
+
     def probe_wait(self, rows: int) -> float:
         """Steps off between probes at `rows` that keep their measured extra cost within `probe_budget` of the
         plain steps' time. A row count never probed at is priced at the nearest one that was: rows leave a batch
@@ -505,10 +510,10 @@ class SpeculationController:
         # cost that drifted 40.8 -> 48.7 ms, a ratio of 1.25 read as 1.05 (a trace), and bench rollout's adaptive
         # n-gram ran k=4 at batch 8 at 0.93x plain decoding
         self.cost.observe(rows, fed / rows, verify_s)
-        # a probe of fewer rows than the batch verifies the drafts of its first probe_rows rows only: learned from, a
-        # batch-32 probe of k = 7 said a step of k verifies 0.875 drafts per row, a full step of k = 1 was priced as
-        # 0.125 drafts per row, and calls at batch 32, T=1, speculated at steps that saved nothing (a trace, stop 59)
-        if k and not (self.probing and self.probe_rows < rows):
+        # a probe of fewer rows verifies few drafts per row: learned from, a batch-32 probe of k = 7 said a step of k
+        # verifies 0.875 drafts per row, a full step of k = 1 was priced as 0.125 drafts per row, and calls at batch
+        # 32, T=1, speculated at steps that saved nothing (a trace, stop 59)
+        if k and self.samples_all(rows):
             update_ema(self.verified, k, fed / rows - 1)
         self.since_decode[rows] = self.since_decode.get(rows, 0) + 1 if k else 0
         if self.stop is not None and self.stop.position_s:  # the marginal seconds of a draft position at these rows

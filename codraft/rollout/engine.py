@@ -254,7 +254,7 @@ def generate(
         probing = k > 0 and controller is not None and controller.probing
         # a probe drafts on its first probe_rows rows: its time is not a whole batch's, and the others' backlog
         # waits for the next proposal
-        sampled_all = not probing or controller.probe_rows >= live
+        sampled_all = controller is None or controller.samples_all(live)
         proposal, t_draft = None, time.perf_counter()
         if k:
             stop = {"stop": controller.stop_rule(live, k)} if controller is not None and stops_early else {}
