@@ -75,7 +75,8 @@ _warned = False
 def warn_if_near_full(rss: float, setting: str, total: float | None = None) -> bool:
     """Warn once per process when resident memory `rss` (MiB) passes NEAR_FULL of the machine's (`total`, MiB;
     read from /proc/meminfo by default). Under `keep` the heap only grows: DFlash's and DSpark's distillation
-    steps grew it step after step until the host swapped (README, "Host memory"; the cause is not isolated)."""
+    steps grew it step after step until the host swapped, while each step drew its own block count (README, "Host
+    memory"; padded since, drafts/anchors.py, growth ~11 MB a step remains)."""
     global _warned
     if _warned:  # once warned, no step reads /proc/meminfo again
         return False

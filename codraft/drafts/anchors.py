@@ -9,6 +9,12 @@ A position can anchor a block when
   - at least one of the slot targets a+1..a+b-1 is a response token.
 Each sequence gets up to `num_anchors` of its valid positions, uniformly without
 replacement, fixed by the generator.
+
+A step's block tensors take their shapes from the anchor count G, and oneDNN builds and keeps kernels, with
+memory, per shape: DSpark's distillation on 640 chain answers, G drawn anew each step (171-256 blocks of
+16 x 16), grew resident memory ~60-90 MB a step under `run.host_memory=keep` and would have run out of the
+host's 24 GiB before step 300. So the loss pads G to a multiple of `num_anchors` with blocks it weighs 0
+(`pad_anchors`): a few shapes repeat, and the growth stops once each was met.
 """
 
 from __future__ import annotations
@@ -50,3 +56,12 @@ def sample_anchors(
     rank = torch.arange(T, device=device) - cu_seqlens.long()[seq[order]]  # rank of order[i] inside its sequence
     chosen = order[(rank < num_anchors) & valid[order]]
     return chosen.sort().values
+
+
+def pad_anchors(anchors: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """anchors [G] -> [G'] (G' the next multiple of `multiple`; the added ones repeat the last, so sorted
+    anchors stay sorted) and which are real [G'] bool: the loss weighs the others 0."""
+    pad = -anchors.numel() % multiple if anchors.numel() else 0
+    real = torch.ones(anchors.numel() + pad, dtype=torch.bool, device=anchors.device)
+    real[anchors.numel():] = False
+    return torch.cat([anchors, anchors[-1:].expand(pad)]), real

@@ -71,7 +71,7 @@ from torch import nn
 
 from codraft.attention import Branches
 from codraft.config import DraftConfig
-from codraft.drafts.anchors import sample_anchors
+from codraft.drafts.anchors import pad_anchors, sample_anchors
 from codraft.drafts.base import (
     DraftBatch,
     DraftModel,
@@ -268,8 +268,9 @@ class DFlashDraft(DraftModel):
         ids = tokens.input_ids  # [T] the whole batch
         if anchors is None:
             anchors = sample_anchors(tokens.loss_mask, tokens.cu_seqlens, b, self.cfg.num_anchors, generator)
+        anchors, real = pad_anchors(anchors, self.cfg.num_anchors)  # a few block counts recur (anchors.py)
         owned, local = tokens.own(anchors)
-        anchors = anchors[owned]  # [G_r] global, the blocks of this rank
+        anchors, real = anchors[owned], real[owned]  # [G_r] global, the blocks of this rank
         context = self.fuse(batch.taps)  # [T_local, H]
         hidden = self.block_hidden(context, batch.cu_seqlens, batch.rope_positions(), local, ids[anchors])
         hidden = hidden[:, 1:]  # [G, b-1, H] slots 1..b-1
@@ -277,10 +278,11 @@ class DFlashDraft(DraftModel):
         target_at = anchors[:, None] + slots  # [G, b-1] global packed position of the token slot k drafts
         targets = ids[target_at]
         policy_logits = tokens.rows(batch.policy_logits, target_at - 1)
-        weights = torch.exp(-(slots - 1) / self.cfg.gamma) * tokens.loss_mask[target_at]
+        weights = torch.exp(-(slots - 1) / self.cfg.gamma) * tokens.loss_mask[target_at] * real[:, None]
         logits = self.slot_logits(hidden, ids[target_at - 1])  # teacher forcing for DSpark
         loss, metrics = self.block_loss(hidden, logits, policy_logits, targets, weights, tokens.total)
         metrics.update(self.block_metrics(logits, policy_logits, targets, weights, tokens.total))
+        metrics["draft/anchors"] = float(tokens.total(real.sum()))
         return loss, {"loss/draft": loss.item(), **metrics}
 
     @torch.no_grad()
@@ -297,7 +299,6 @@ class DFlashDraft(DraftModel):
         correct = (logits.argmax(-1) == targets) & valid
         accept = expected_acceptance(logits.flatten(0, 1), policy_logits.flatten(0, 1)).view_as(weights)
         metrics = {
-            "draft/anchors": float(total(torch.tensor(weights.shape[0], device=weights.device))),
             "draft/acc": (total(correct.sum()) / n).item(),
             "draft/expected_accept": (total((accept * valid).sum()) / n).item(),
         }

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from codraft.drafts.anchors import sample_anchors, valid_anchors
+from codraft.drafts.anchors import pad_anchors, sample_anchors, valid_anchors
 from codraft.drafts.dflash import DFlashDraft, default_tap_layers, pick_mask_token
 from codraft.rollout import SamplingParams
 from codraft.rollout.sampling import probabilities
@@ -57,6 +57,15 @@ def test_sample_anchors_is_deterministic_and_takes_up_to_num_anchors_per_sequenc
     assert torch.equal(everything, valid.nonzero().flatten())
 
 
+def test_pad_anchors_rounds_the_count_up_with_unreal_copies_of_the_last():
+    anchors, real = pad_anchors(torch.tensor([3, 9, 14]), 4)
+    assert anchors.tolist() == [3, 9, 14, 14] and real.tolist() == [True, True, True, False]
+    anchors, real = pad_anchors(torch.tensor([3, 9, 14, 20]), 4)
+    assert anchors.tolist() == [3, 9, 14, 20] and bool(real.all())
+    anchors, real = pad_anchors(torch.tensor([], dtype=torch.long), 4)
+    assert anchors.numel() == real.numel() == 0
+
+
 def test_default_taps_spread_from_layer_1_to_l_minus_3_and_pick_mask_token():
     assert default_tap_layers(36, 5) == [1, 9, 17, 25, 33]  # z-lab's Qwen3-8B drafts
     assert default_tap_layers(30, 2) == [1, 27]
@@ -70,18 +79,19 @@ def test_default_taps_spread_from_layer_1_to_l_minus_3_and_pick_mask_token():
 # --- training ---
 
 
-@pytest.mark.parametrize("impl", ["fused", "dense"])
-def test_block_loss_and_grads_match_an_unrolled_reference(impl):
+# five anchors with num_anchors = 2: the loss pads them to six with a block it weighs 0
+@pytest.mark.parametrize("impl,anchors", [("fused", ANCHORS), ("dense", ANCHORS), ("fused", ANCHORS[:5])])
+def test_block_loss_and_grads_match_an_unrolled_reference(impl, anchors):
     draft, policy = make_draft()
     draft.attention_impl = impl
     batch = packed_batch(policy, draft.tap_layers)
-    loss, metrics = draft.loss(batch, anchors=ANCHORS)
+    loss, metrics = draft.loss(batch, anchors=anchors)
     loss.backward()
     got = grads(draft)
 
     draft.zero_grad()
     num = den = 0.0
-    for _, logits, policy_logits, _, _, w in reference_slots(draft, policy, batch, ANCHORS):
+    for _, logits, policy_logits, _, _, w in reference_slots(draft, policy, batch, anchors):
         soft_ce = -(policy_logits.softmax(-1) * logits.log_softmax(-1)).sum()
         num, den = num + w * soft_ce, den + w
     ref = num / den
@@ -92,7 +102,7 @@ def test_block_loss_and_grads_match_an_unrolled_reference(impl):
     assert got.keys() == want.keys() == dict(draft.named_parameters()).keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    assert metrics["draft/anchors"] == len(ANCHORS) and 0 <= metrics["draft/expected_accept"] <= 1
+    assert metrics["draft/anchors"] == len(anchors) and 0 <= metrics["draft/expected_accept"] <= 1
     assert {"loss/draft", "draft/acc_pos_0", "draft/acc_pos_2"} <= metrics.keys()
 
 
