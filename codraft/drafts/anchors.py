@@ -10,11 +10,11 @@ A position can anchor a block when
 Each sequence gets up to `num_anchors` of its valid positions, uniformly without
 replacement, fixed by the generator.
 
-A step's block tensors take their shapes from the anchor count G, and oneDNN builds and keeps kernels, with
-memory, per shape: DSpark's distillation on 640 chain answers, G drawn anew each step (171-256 blocks of
-16 x 16), grew resident memory ~60-90 MB a step under `run.host_memory=keep` and would have run out of the
-host's 24 GiB before step 300. So the loss pads G to a multiple of `num_anchors` with blocks it weighs 0
-(`pad_anchors`): a few shapes repeat, and the growth stops once each was met.
+A step's block tensors take their shapes from the anchor count G, and bf16 matmuls of shapes met for the first
+time hold memory: DSpark's distillation on 640 chain answers, G drawn anew each step (171-256 blocks, of at most
+16 sequences x 16 anchors), grew resident memory ~65 MB a step under `run.host_memory=keep` and would have run
+out of the host's 24 GiB before step 300. So the loss pads G to a multiple of `num_anchors` with blocks it
+weighs 0 (`pad_anchors`): a few counts recur, and the same run then grew ~11 MB a step (README, "Host memory").
 """
 
 from __future__ import annotations
