@@ -61,7 +61,6 @@ def sample_anchors(
 def pad_anchors(anchors: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """anchors [G] -> [G'] (G' the next multiple of `multiple`; the added ones repeat the last, so sorted
     anchors stay sorted) and which are real [G'] bool: the loss weighs the others 0."""
-    pad = -anchors.numel() % multiple if anchors.numel() else 0
-    real = torch.ones(anchors.numel() + pad, dtype=torch.bool, device=anchors.device)
-    real[anchors.numel():] = False
-    return torch.cat([anchors, anchors[-1:].expand(pad)]), real
+    n = anchors.numel()
+    pad = -n % multiple
+    return torch.cat([anchors, anchors[-1:].expand(pad)]), torch.arange(n + pad, device=anchors.device) < n
