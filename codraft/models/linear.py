@@ -1,4 +1,4 @@
-"""nn.Linear that, outside autograd, can run on a oneDNN-packed copy of its weight.
+"""nn.Linear that, outside autograd, can run on a packed copy of its weight (codraft's fp32 kernel or oneDNN's).
 
 Rollout forwards on CPU feed 1 to a few dozen rows. MKL's fp32 GEMM at 2-8 rows
 costs 1.5-2x its 1-row GEMV on this machine, so a verify forward of k+1 tokens
@@ -10,6 +10,10 @@ this host, a 1536-input weight (SmolLM2's down projection) rounded a row differe
 others (up to ~1e-4; the same at 2 to 64 rows), so a decode step and a verify forward can differ in the last
 bits: greedy speculation equals plain decoding but at near-ties of the argmax (every bench so far gave the
 same greedy tokens).
+
+Where codraft's own AVX-512 kernel builds (`native_gemm.py`), fp32 copies are its panels instead: it read
+SmolLM2-135M's weights at 1-8 rows in 0.50-0.62x oneDNN's time, and a row's output is bitwise the same at every
+row count. bf16 copies, and fp32 ones where it does not build, stay oneDNN's, as below.
 
 `pack_linears(module)` makes the copies (one per Linear or FusedLinears group,
 the weights' versions and addresses recorded); a copy is used only while autograd
@@ -77,6 +81,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from codraft.models.native_gemm import gemm, native_gemm, pack_panels
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +182,10 @@ class PackedWeight:
     from."""
 
     key: tuple  # the source weights' (version, address) and the copy's dtype
-    weight: torch.Tensor | None  # oneDNN's layout (None for an int8 copy)
+    weight: torch.Tensor | None  # oneDNN's layout, or native_gemm's panels (None for an int8 copy)
     bias: torch.Tensor | None  # in the copy's dtype
     int8: torch.ScriptObject | None = None  # quantized::linear_prepack of the int8 weights and the fp32 bias
+    native: bool = False  # `weight` is fp32 panels for codraft's own kernel (native_gemm.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -197,6 +204,8 @@ def _pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype:
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
                               for w, b in zip(weights, biases, strict=True)]).to(dtype)
+        if dtype == torch.float32 and native_gemm() is not None:
+            return PackedWeight(key, pack_panels(weight), bias, native=True)
         packed = PackedWeight(key, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
         _warm(packed, weight)
     return packed
@@ -225,6 +234,8 @@ def _run_packed(x: torch.Tensor, packed: PackedWeight, out_features: int) -> tor
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.quantized.linear_dynamic(flat.float(), packed.int8, _INT8_REDUCE_RANGE)
         return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
+    if packed.native:
+        return gemm(x.float(), packed.weight, packed.bias, out_features).to(x.dtype)
     dtype = packed.weight.dtype
     rows = x.numel() // x.shape[-1]
     xin = x if x.dtype == dtype else x.to(dtype)

@@ -12,22 +12,38 @@ from codraft.models.linear import Linear, pack_linears, packed_dtype, packing_av
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN linear")
 needs_bf16 = pytest.mark.skipif(not linear.bf16_packing_available(),
                                 reason="oneDNN has no bf16 linear on this CPU (the fallback is tested)")
+FP32_KERNELS = ["native", "onednn"]  # fp32 copies run on codraft's own kernel where it builds, else on oneDNN's
+
+
+@pytest.fixture
+def onednn_fp32(monkeypatch):
+    """fp32 copies on oneDNN, as where codraft's kernel cannot run (native_gemm.py)."""
+    monkeypatch.setattr(linear, "native_gemm", lambda: None)
+
+
+@pytest.fixture(params=FP32_KERNELS)
+def fp32_kernel(request, monkeypatch):
+    if request.param == "onednn":
+        monkeypatch.setattr(linear, "native_gemm", lambda: None)
+    elif linear.native_gemm() is None:
+        pytest.skip("codraft's fp32 kernel does not run here (no AVX-512, OpenMP or C++ compiler)")
+    return request.param
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (5, 24), (3, 4, 24)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_forward_matches_f_linear(shape, bias):
+def test_packed_forward_matches_f_linear(shape, bias, fp32_kernel):
     torch.manual_seed(0)
     layer = Linear(24, 40, bias=bias)
     x = torch.randn(shape)
     assert pack_linears(layer) == 1
     with torch.no_grad():
         out = layer(x)
-    assert layer.packed is not None
+    assert layer.packed is not None and layer.packed.native == (fp32_kernel == "native")
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_rows_do_not_depend_on_how_many_share_the_call():
+def test_packed_rows_do_not_depend_on_how_many_share_the_call(fp32_kernel):
     torch.manual_seed(0)
     layer = Linear(64, 96, bias=False)
     pack_linears(layer)
@@ -83,8 +99,8 @@ def test_a_packed_module_deep_copies_without_its_packed_weights():
 
 
 @pytest.mark.parametrize("shape", [(17, 64), (3, 25, 64), (300, 64), (1953, 64)])
-def test_calls_padded_to_a_bucket_give_the_same_bits_and_shape(monkeypatch, shape):
-    """Row counts above 8 run zero-padded to one of eight counts per doubling."""
+def test_calls_padded_to_a_bucket_give_the_same_bits_and_shape(monkeypatch, shape, onednn_fp32):
+    """Row counts above 8 run zero-padded to one of eight counts per doubling (oneDNN's copies)."""
     from codraft.models import linear
 
     torch.manual_seed(0)
@@ -107,7 +123,7 @@ def test_row_counts_run_are_few_and_padding_is_bounded():
     assert all(rows <= run_rows(rows) < rows * 9 / 8 for rows in range(9, 5000))
 
 
-def test_after_the_first_pack_no_call_of_up_to_256_rows_builds_a_kernel(capfd):
+def test_after_the_first_pack_no_call_of_up_to_256_rows_builds_a_kernel(capfd, onednn_fp32):
     """oneDNN builds a kernel per row count met (about 0.5 MiB each): made at pack time, resident memory
     does not grow as a run meets new row counts."""
     layer = Linear(24, 40, bias=True)
@@ -131,7 +147,7 @@ def _group(bias: tuple[bool, ...] = (False, False, False)):
 
 
 @pytest.mark.parametrize("bias", [(False, False, False), (True, False, True)])
-def test_a_packed_group_matches_each_member_s_f_linear(bias):
+def test_a_packed_group_matches_each_member_s_f_linear(bias, fp32_kernel):
     module = _group(bias)
     assert pack_linears(module) == 1  # the group, not its members
     assert module.abc.packed is not None and all(m.packed is None for m in (module.a, module.b, module.c))

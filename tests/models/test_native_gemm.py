@@ -1,0 +1,98 @@
+"""codraft's fp32 kernel (native_gemm.py): F.linear's outputs, a row's bits whatever rows share its call, and a
+fallback to oneDNN with one logged line wherever it cannot be built."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codraft.models import linear, native_gemm
+from codraft.models.linear import Linear, pack_linears
+
+
+@pytest.fixture
+def kernel():
+    """Built at first use in the session's cache (tests/conftest.py), not at collection in the user's."""
+    if native_gemm.native_gemm() is None:
+        pytest.skip("codraft's fp32 kernel does not run here (no AVX-512, OpenMP or C++ compiler)")
+
+
+def _run(x, weight, bias=None):
+    return native_gemm.gemm(x, native_gemm.pack_panels(weight), bias, weight.shape[0])
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 70])  # panels of 32 channels and their tails
+@pytest.mark.parametrize("k", [1, 7, 64, 96])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_a_float64_matmul(n, k, bias):
+    torch.manual_seed(0)
+    weight, x = torch.randn(n, k), torch.randn(25, k)  # 25 rows: two full tiles of 12 and a 1-row tail
+    b = torch.randn(n) if bias else None
+    ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    out = _run(x, weight, b)
+    assert out.shape == (25, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_row_s_output_is_bitwise_the_same_whatever_rows_share_its_call():
+    """A decode step (1 row) and a verify forward (rows x (k+1)) must compute a token's matmuls alike: every
+    output is one fma chain over the inputs, whatever tile or thread runs it."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(200, 1536) * 0.05, torch.randn(200)  # SmolLM2's down projection's input width
+    x = torch.randn(37, 1536)
+    alone = torch.cat([_run(x[i : i + 1], weight, bias) for i in range(37)])
+    for rows in (2, 5, 12, 13, 25, 37):
+        assert torch.equal(_run(x[:rows], weight, bias), alone[:rows]), rows
+    assert torch.equal(_run(x[3:9].view(2, 3, 1536), weight, bias), alone[3:9].view(2, 3, 200))
+
+
+@pytest.mark.usefixtures("kernel")
+def test_an_empty_call_and_a_strided_input_run():
+    weight = torch.randn(70, 24)
+    assert _run(torch.randn(0, 24), weight).shape == (0, 70)
+    x = torch.randn(24, 5).t()  # not contiguous
+    torch.testing.assert_close(_run(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_packed_fp32_linears_run_on_it_and_other_dtypes_do_not():
+    module = torch.nn.ModuleDict({"a": Linear(24, 40), "b": Linear(24, 40)})
+    pack_linears(module["a"])
+    assert module["a"].packed.native and module["a"].packed.dtype == torch.float32
+    if linear.bf16_packing_available():
+        pack_linears(module["b"], dtype=torch.bfloat16)
+        assert not module["b"].packed.native
+
+
+@pytest.mark.parametrize("setup", ["switched_off", "no_compiler", "compile_fails"])
+def test_where_it_cannot_be_built_fp32_copies_run_on_onednn_with_one_logged_line(monkeypatch, tmp_path, caplog,
+                                                                                   setup):
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))  # no build cached from earlier tests
+    if setup == "switched_off":
+        monkeypatch.setenv("CODRAFT_NATIVE_GEMM", "0")
+    elif setup == "no_compiler":
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    else:
+        fake = tmp_path / "cxx"
+        fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho 'error: broken' >&2; exit 1\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("CXX", str(fake))
+    native_gemm.native_gemm.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=native_gemm.__name__):
+            layer = Linear(24, 40)
+            pack_linears(layer)
+            pack_linears(Linear(24, 8))
+        lines = [r for r in caplog.records if "run on oneDNN" in r.message]
+        assert len(lines) == 1
+        if setup == "compile_fails" and native_gemm._unsupported() is None:
+            assert "broken" in lines[0].message and lines[0].levelno == logging.WARNING
+        assert layer.packed is None or not layer.packed.native  # oneDNN's copy (none without oneDNN)
+        x = torch.randn(3, 24)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    finally:
+        native_gemm.native_gemm.cache_clear()
