@@ -12,7 +12,8 @@ and codraft's outputs can be checked against transformers'. (transformers is tol
 token, eos_token_id=-1, rather than given min_new_tokens, which would mask EOS and change the text.)
 Decode time per step is set against the memory-bandwidth floor: (bytes of weights + KV cache read per step) / bandwidth.
 Verify cost: a forward of t tokens per row over the cache, relative to a 1-token decode step at the same batch,
-with the oneDNN-packed weights the engine uses and with plain F.linear (models/linear.py), interleaved.
+with the packed weights the engine uses (codraft's fp32 kernel or oneDNN's) and with plain F.linear
+(models/linear.py), interleaved.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from codraft.bench.report import interleaved, machine, markdown_table, median, r
 from codraft.config import DraftConfig
 from codraft.drafts import build_draft
 from codraft.models import Tokenizer, Transformer
-from codraft.models.linear import pack_linears, packed_weight_bytes, unpack_linears
+from codraft.models.linear import pack_linears, packed_kernels, packed_weight_bytes, unpack_linears
 from codraft.rollout import SpeculationController, generate
 from codraft.rollout.drafters import NgramDrafter
 
@@ -88,6 +89,7 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
     bandwidth = read_bandwidth_gbs()
     pack_linears(model, dtype=model.inference_dtype)
     weight_bytes = packed_weight_bytes(model)  # what a decode step reads: bf16 copies where the rollout runs them
+    kernels = packed_kernels(model)
     matmul_dtype = str(model.inference_dtype or next(model.parameters()).dtype).removeprefix("torch.")
     args = model.args
     pad_id = tokenizer.eos_token_ids[0]
@@ -171,9 +173,10 @@ def run_rollout_bench(model: Transformer, tokenizer: Tokenizer, hf, *, batch_siz
               f"the weights' precision, HF generate in it too.\n\n")
     table += markdown_table(["batch", *(f"{t} tokens / decode (plain / packed)" for t in VERIFY_TOKENS)], cost_rows)
     table += "\nTarget forward of t tokens per row over the cache relative to a 1-token decode step at the same " \
-             "batch, plain F.linear against the oneDNN-packed weights the engine uses; interleaved, medians.\n"
+             f"batch, plain F.linear against the packed weights the engine uses ({', '.join(kernels)}); " \
+             "interleaved, medians.\n"
     payload = {"machine": machine(), "bandwidth_gbs": bandwidth, "matmul_dtype": matmul_dtype,
-               "weight_bytes_per_step": weight_bytes, "k": k, "max_new_tokens": max_new_tokens,
-               "repeats": repeats, "results": results}
+               "matmul_kernels": kernels, "weight_bytes_per_step": weight_bytes, "k": k,
+               "max_new_tokens": max_new_tokens, "repeats": repeats, "results": results}
     write_results(out_dir, "rollout", payload, table)
     return payload

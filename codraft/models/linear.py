@@ -386,6 +386,13 @@ def packed_weight_bytes(module: nn.Module) -> int:
     return sum(p.numel() * copy_size.get(id(p), p.element_size()) for p in module.parameters())
 
 
+def packed_kernels(module: nn.Module) -> list[str]:
+    """What `module`'s packed copies run on (a bench's record): codraft_fp32, onednn_<dtype>, fbgemm_int8."""
+    copies = [m.packed for m in module.modules() if isinstance(m, Linear)] + [g.packed for g in _groups(module)]
+    return sorted({"codraft_fp32" if p.native else "fbgemm_int8" if p.int8 is not None
+                   else f"onednn_{str(p.dtype).removeprefix('torch.')}" for p in copies if p is not None})
+
+
 def unpack_linears(module: nn.Module) -> None:
     """Drop every packed copy (after writing weights behind autograd's back)."""
     for m in module.modules():

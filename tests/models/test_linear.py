@@ -325,3 +325,10 @@ def test_int8_asked_without_a_quantized_engine_runs_in_the_weights_dtype_with_on
         pack_linears(layer, dtype=torch.int8, force=True)
     assert layer.packed.dtype == torch.float32
     assert len([r for r in caplog.records if "no x86/fbgemm" in r.message]) == 1
+
+
+def test_packed_kernels_names_what_each_copy_runs_on(fp32_kernel):
+    module = torch.nn.ModuleDict({"a": Linear(24, 40), "b": Linear(24, 40)})
+    assert linear.packed_kernels(module) == []
+    pack_linears(module)
+    assert linear.packed_kernels(module) == ["codraft_fp32" if fp32_kernel == "native" else "onednn_float32"]
