@@ -11,7 +11,7 @@ others (up to ~1e-4; the same at 2 to 64 rows), so a decode step and a verify fo
 bits: greedy speculation equals plain decoding but at near-ties of the argmax (every bench so far gave the
 same greedy tokens).
 
-Where codraft's own AVX-512 kernel builds (`native_gemm.py`), fp32 copies are its panels instead: it read
+Where codraft's own AVX-512 kernels build (`cpu_kernels.py`), fp32 copies are its panels instead: it read
 SmolLM2-135M's weights at 1-8 rows in 0.50-0.62x oneDNN's time, and a row's output is bitwise the same at every
 row count. bf16 copies, and fp32 ones where it does not build, stay oneDNN's, as below.
 
@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codraft.models.native_gemm import gemm, native_gemm, pack_panels
+from codraft.models.cpu_kernels import cpu_kernels, gemm, pack_panels
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +182,10 @@ class PackedWeight:
     from."""
 
     key: tuple  # the source weights' (version, address) and the copy's dtype
-    weight: torch.Tensor | None  # oneDNN's layout, or native_gemm's panels (None for an int8 copy)
+    weight: torch.Tensor | None  # oneDNN's layout, or cpu_kernels' panels (None for an int8 copy)
     bias: torch.Tensor | None  # in the copy's dtype
     int8: torch.ScriptObject | None = None  # quantized::linear_prepack of the int8 weights and the fp32 bias
-    native: bool = False  # `weight` is fp32 panels for codraft's own kernel (native_gemm.py)
+    native: bool = False  # `weight` is fp32 panels for codraft's own kernel (cpu_kernels.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,7 +204,7 @@ def _pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype:
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
                               for w, b in zip(weights, biases, strict=True)]).to(dtype)
-        if dtype == torch.float32 and native_gemm() is not None:
+        if dtype == torch.float32 and cpu_kernels() is not None:
             return PackedWeight(key, pack_panels(weight), bias, native=True)
         packed = PackedWeight(key, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
         _warm(packed, weight)

@@ -17,15 +17,15 @@ FP32_KERNELS = ["native", "onednn"]  # fp32 copies run on codraft's own kernel w
 
 @pytest.fixture
 def onednn_fp32(monkeypatch):
-    """fp32 copies on oneDNN, as where codraft's kernel cannot run (native_gemm.py)."""
-    monkeypatch.setattr(linear, "native_gemm", lambda: None)
+    """fp32 copies on oneDNN, as where codraft's kernels cannot run (cpu_kernels.py)."""
+    monkeypatch.setattr(linear, "cpu_kernels", lambda: None)
 
 
 @pytest.fixture(params=FP32_KERNELS)
 def fp32_kernel(request, monkeypatch):
     if request.param == "onednn":
-        monkeypatch.setattr(linear, "native_gemm", lambda: None)
-    elif linear.native_gemm() is None:
+        monkeypatch.setattr(linear, "cpu_kernels", lambda: None)
+    elif linear.cpu_kernels() is None:
         pytest.skip("codraft's fp32 kernel does not run here (no AVX-512, OpenMP or C++ compiler)")
     return request.param
 

@@ -1,4 +1,4 @@
-"""fp32 rollout matmuls on codraft's own AVX-512 kernel (`fp32_gemm.cpp`), compiled once per machine.
+"""codraft's own fp32 CPU kernels for rollout forwards (`cpu_kernels.cpp`, AVX-512), compiled once per machine.
 
 oneDNN's packed fp32 kernel reads SmolLM2-135M's 538 MB of weights at 15-20 GB/s in a 1-row call with this
 host's 2 threads, where a plain reduction reads ~30, and a row's last bits depend on how many rows share its call
@@ -9,10 +9,16 @@ micro-benchmark, medians of 7) it took 0.50 / 0.61 / 0.62x oneDNN's time at 1 / 
 output is one fused-multiply-add chain over the inputs whatever the call's rows, so a row's output is bitwise what
 it is alone: a decode step and a verify forward compute a token's matmuls alike.
 
-It is compiled with the C++ compiler (`$CXX`, else g++) into `$CODRAFT_CACHE/kernels/` at first use, keyed by the
-source, flags and compiler, and loaded with ctypes; its OpenMP threads are torch's own (the same libgomp, whose
-pool `torch.set_num_threads` sizes). Used where the CPU has AVX-512 and torch runs on OpenMP; `CODRAFT_NATIVE_GEMM=0`
-turns it off. Where it cannot be built or loaded, fp32 copies stay oneDNN's, with one logged line.
+`rms_norm`, outside autograd (models/model.py): torch's fp32 RMSNorm on CPU runs as six ops, ~2.3 ms of a
+~27 ms batch-1 decode step of SmolLM2 (61 norms; the step with every norm replaced by the identity, one-off
+A/B); this is one call per norm. It sums the squares in another order than torch, so its last bits differ from
+training's F.rms_norm (as the matmuls' do from F.linear's); a row's output does not depend on its call's rows.
+
+They are compiled with the C++ compiler (`$CXX`, else g++) into `$CODRAFT_CACHE/kernels/` at first use, keyed by the
+source, flags and compiler, and loaded with ctypes; their OpenMP threads are torch's own (the same libgomp, whose
+pool `torch.set_num_threads` sizes). Used where the CPU has AVX-512 and torch runs on OpenMP; `CODRAFT_CPU_KERNELS=0`
+turns them off. Where they cannot be built or loaded, fp32 copies stay oneDNN's and norms torch's, with one logged
+line.
 """
 
 from __future__ import annotations
@@ -32,33 +38,37 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-PANEL = 32  # output channels per panel (fp32_gemm.cpp's kPanel)
-_SOURCE = Path(__file__).with_name("fp32_gemm.cpp")
-_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+PANEL = 32  # output channels per panel (cpu_kernels.cpp's kPanel)
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_FLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+
+
+_FALLBACK = "fp32 rollout matmuls run on oneDNN, norms on torch"
 
 
 @functools.cache
-def native_gemm() -> ctypes.CDLL | None:
-    """The loaded kernel, or None (with the reason logged once) where it is off or cannot run here."""
+def cpu_kernels() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (with the reason logged once) where they are off or cannot run here."""
     reason = _unsupported()
     if reason:
-        log.info("codraft's fp32 kernel is not used (%s); fp32 rollout matmuls run on oneDNN", reason)
+        log.info("codraft's CPU kernels are not used (%s); %s", reason, _FALLBACK)
         return None
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("codraft's fp32 kernel could not be built or loaded (%s); fp32 rollout matmuls run on oneDNN",
-                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+        log.warning("codraft's CPU kernels could not be built or loaded (%s); %s",
+                    str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__, _FALLBACK)
         return None
-    lib.fp32_gemm.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    lib.fp32_gemm.restype = None
+    c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
+    lib.fp32_gemm.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, ptr, c_int]
+    lib.rms_norm.argtypes = [ptr, c_long, c_long, ptr, ctypes.c_float, ptr, c_int]
+    lib.fp32_gemm.restype = lib.rms_norm.restype = None
     return lib
 
 
 def _unsupported() -> str | None:
-    if os.environ.get("CODRAFT_NATIVE_GEMM", "1") == "0":
-        return "CODRAFT_NATIVE_GEMM=0"
+    if os.environ.get("CODRAFT_CPU_KERNELS", "1") == "0":
+        return "CODRAFT_CPU_KERNELS=0"
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return "the CPU has no AVX-512"
     if "OpenMP" not in torch.__config__.parallel_info():
@@ -78,7 +88,7 @@ def _build() -> Path:
 
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=60)
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), *_FLAGS, version.stdout]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"fp32_gemm-{key}.so"
+    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +99,7 @@ def _build() -> Path:
         if done.returncode:
             raise OSError(f"{_compiler()} failed: {done.stderr.strip()}")
         os.replace(built, target)
-    log.info("built codraft's fp32 kernel: %s", target)
+    log.info("built codraft's CPU kernels: %s", target)
     return target
 
 
@@ -106,6 +116,16 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_f
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-    native_gemm().fp32_gemm(flat.data_ptr(), flat.shape[0], k, panels.data_ptr(), out_features,
+    cpu_kernels().fp32_gemm(flat.data_ptr(), flat.shape[0], k, panels.data_ptr(), out_features,
                             None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out.reshape(*x.shape[:-1], out_features)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of fp32 x [..., D] with fp32 weight [D]."""
+    d = x.shape[-1]
+    flat = x.reshape(-1, d).contiguous()
+    out = torch.empty_like(flat)
+    cpu_kernels().rms_norm(flat.data_ptr(), flat.shape[0], d, weight.contiguous().data_ptr(), eps, out.data_ptr(),
+                           torch.get_num_threads())
+    return out.view(x.shape)

@@ -1,5 +1,5 @@
-"""codraft's fp32 kernel (native_gemm.py): F.linear's outputs, a row's bits whatever rows share its call, and a
-fallback to oneDNN with one logged line wherever it cannot be built."""
+"""codraft's CPU kernels (cpu_kernels.py): F.linear's and F.rms_norm's outputs, a row's bits whatever rows share
+its call, and a fallback to oneDNN and torch with one logged line wherever they cannot be built."""
 
 import logging
 
@@ -7,19 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from codraft.models import linear, native_gemm
+from codraft.models import cpu_kernels, linear
 from codraft.models.linear import Linear, pack_linears
 
 
 @pytest.fixture
 def kernel():
     """Built at first use in the session's cache (tests/conftest.py), not at collection in the user's."""
-    if native_gemm.native_gemm() is None:
+    if cpu_kernels.cpu_kernels() is None:
         pytest.skip("codraft's fp32 kernel does not run here (no AVX-512, OpenMP or C++ compiler)")
 
 
 def _run(x, weight, bias=None):
-    return native_gemm.gemm(x, native_gemm.pack_panels(weight), bias, weight.shape[0])
+    return cpu_kernels.gemm(x, cpu_kernels.pack_panels(weight), bias, weight.shape[0])
 
 
 @pytest.mark.usefixtures("kernel")
@@ -67,12 +67,35 @@ def test_packed_fp32_linears_run_on_it_and_other_dtypes_do_not():
         assert not module["b"].packed.native
 
 
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("d", [1, 17, 64, 576])
+def test_rms_norm_matches_torch_s_and_a_row_s_bits_do_not_depend_on_its_call(d):
+    torch.manual_seed(0)
+    x, weight = torch.randn(40, d) * 3, torch.randn(d)
+    out = cpu_kernels.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (d,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+    alone = torch.cat([cpu_kernels.rms_norm(x[i : i + 1], weight, 1e-5) for i in range(40)])
+    assert torch.equal(out, alone)
+    assert torch.equal(cpu_kernels.rms_norm(x.view(5, 8, d), weight, 1e-5), out.view(5, 8, d))
+
+
+@pytest.mark.usefixtures("kernel")
+def test_the_model_s_norm_runs_it_outside_autograd_only():
+    from codraft.models.model import RMSNorm
+
+    norm = RMSNorm(64, 1e-6)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(norm(x), cpu_kernels.rms_norm(x, norm.weight, 1e-6))
+    assert torch.equal(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-6))  # training: torch's, for its gradients
+
+
 @pytest.mark.parametrize("setup", ["switched_off", "no_compiler", "compile_fails"])
 def test_where_it_cannot_be_built_fp32_copies_run_on_onednn_with_one_logged_line(monkeypatch, tmp_path, caplog,
                                                                                    setup):
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))  # no build cached from earlier tests
     if setup == "switched_off":
-        monkeypatch.setenv("CODRAFT_NATIVE_GEMM", "0")
+        monkeypatch.setenv("CODRAFT_CPU_KERNELS", "0")
     elif setup == "no_compiler":
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     else:
@@ -80,19 +103,19 @@ def test_where_it_cannot_be_built_fp32_copies_run_on_onednn_with_one_logged_line
         fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo fake && exit 0\necho 'error: broken' >&2; exit 1\n")
         fake.chmod(0o755)
         monkeypatch.setenv("CXX", str(fake))
-    native_gemm.native_gemm.cache_clear()
+    cpu_kernels.cpu_kernels.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger=native_gemm.__name__):
+        with caplog.at_level(logging.INFO, logger=cpu_kernels.__name__):
             layer = Linear(24, 40)
             pack_linears(layer)
             pack_linears(Linear(24, 8))
         lines = [r for r in caplog.records if "run on oneDNN" in r.message]
         assert len(lines) == 1
-        if setup == "compile_fails" and native_gemm._unsupported() is None:
+        if setup == "compile_fails" and cpu_kernels._unsupported() is None:
             assert "broken" in lines[0].message and lines[0].levelno == logging.WARNING
         assert layer.packed is None or not layer.packed.native  # oneDNN's copy (none without oneDNN)
         x = torch.randn(3, 24)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     finally:
-        native_gemm.native_gemm.cache_clear()
+        cpu_kernels.cpu_kernels.cache_clear()
