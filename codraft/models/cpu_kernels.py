@@ -41,8 +41,6 @@ log = logging.getLogger(__name__)
 PANEL = 32  # output channels per panel (cpu_kernels.cpp's kPanel)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-
-
 _FALLBACK = "fp32 rollout matmuls run on oneDNN, norms on torch"
 
 
@@ -83,7 +81,7 @@ def _compiler() -> str:
 
 
 def _build() -> Path:
-    """Compile the kernel into the cache unless a build of this source, these flags and this compiler is there."""
+    """Compile the kernels into the cache unless a build of this source, these flags and this compiler is there."""
     from codraft.models.loading import cache_root  # loading imports linear, which imports this
 
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True, timeout=60)
