@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from codraft.models import cpu_kernels, linear
 from codraft.models.linear import Linear, pack_linears
+from codraft.models.model import RMSNorm
 
 
 @pytest.fixture
@@ -81,8 +82,6 @@ def test_rms_norm_matches_torch_s_and_a_row_s_bits_do_not_depend_on_its_call(d):
 
 @pytest.mark.usefixtures("kernel")
 def test_the_model_s_norm_runs_it_outside_autograd_only():
-    from codraft.models.model import RMSNorm
-
     norm = RMSNorm(64, 1e-6)
     x = torch.randn(3, 64)
     with torch.no_grad():
@@ -91,8 +90,8 @@ def test_the_model_s_norm_runs_it_outside_autograd_only():
 
 
 @pytest.mark.parametrize("setup", ["switched_off", "no_compiler", "compile_fails"])
-def test_where_it_cannot_be_built_fp32_copies_run_on_onednn_with_one_logged_line(monkeypatch, tmp_path, caplog,
-                                                                                   setup):
+def test_where_they_cannot_be_built_matmuls_run_on_onednn_and_norms_on_torch_with_one_logged_line(
+        monkeypatch, tmp_path, caplog, setup):
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))  # no build cached from earlier tests
     if setup == "switched_off":
         monkeypatch.setenv("CODRAFT_CPU_KERNELS", "0")
@@ -117,5 +116,7 @@ def test_where_it_cannot_be_built_fp32_copies_run_on_onednn_with_one_logged_line
         x = torch.randn(3, 24)
         with torch.no_grad():
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            norm = RMSNorm(24, 1e-6)
+            assert torch.equal(norm(x), F.rms_norm(x, (24,), norm.weight, 1e-6))  # torch's norm
     finally:
         cpu_kernels.cpu_kernels.cache_clear()
