@@ -76,7 +76,6 @@ from codraft.drafts.base import (
     DraftBatch,
     DraftModel,
     DraftState,
-    LearnedDrafter,
     cache_attention,
     draft_cache_mask,
     write_cache,
@@ -307,12 +306,6 @@ class DFlashDraft(DraftModel):
         return metrics
 
     # --- inference ---
-    def drafter(self) -> LearnedDrafter:
-        """Each rollout's drafter re-reads the head rows: a PP/CP refit broadcasts into weights in place,
-        which their version counters do not see."""
-        self.rows = {name: HeadRows() for name in self.rows}
-        return super().drafter()
-
     @property
     def cache_layers(self) -> int:
         return len(self.layers)

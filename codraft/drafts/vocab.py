@@ -73,8 +73,9 @@ def vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
 
 
 class HeadRows:
-    """`weight[ids]` as a packed Linear for inference, re-gathered when `weight` changed (an optimizer step bumps
-    its version; a refit moves or rewrites it) or `ids` did. Not a Module: it holds no parameters of its own."""
+    """`weight[ids]` as a packed Linear for inference, re-gathered when `weight` changed (an optimizer step or a
+    refit's broadcast bumps its version; a `.to()` moves it) or `ids` did. Not a Module: it holds no parameters of
+    its own."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -86,7 +87,7 @@ class HeadRows:
         if self.linear is None or key != self.key:
             # not an inference tensor, though rollouts run under inference_mode: packing keys on its version
             with torch.inference_mode(False), torch.no_grad():
-                linear = Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+                linear = Linear(weight.shape[1], ids.numel(), bias=False, device="meta")  # no init to overwrite
                 linear.weight = nn.Parameter(weight[ids], requires_grad=False)
                 pack_linears(linear, dtype=dtype)
             self.key, self.linear = key, linear

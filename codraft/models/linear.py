@@ -21,7 +21,8 @@ is off and its weights are unchanged, so training forwards and gradients never s
 it, and an optimizer step (in place, so it bumps the version) or a `.to()` makes
 the copy stale until the next pack.
 Writes that bypass the version counter (`dist.broadcast` into `.data`) must
-call `unpack_linears` or `pack_linears(..., force=True)`.
+bump it (`torch.autograd.graph.increment_version`, as `parallel.collectives.broadcast_in_place` does)
+or call `unpack_linears` or `pack_linears(..., force=True)`.
 
 `FusedLinears` groups linears that read the same input (q/k/v, gate/up): their
 weights are packed side by side and run as one matmul. A copy may be in another

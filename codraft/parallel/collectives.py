@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from codraft.models.linear import unpack_linears
 from codraft.observability import prepare_run_dir as _prepare_run_dir
 from codraft.parallel.mesh import ParallelDims
 from codraft.parallel.rollcall import is_peer_fault
@@ -52,6 +51,13 @@ def share_rollout(generate: Callable, dims: ParallelDims):
     return rollout
 
 
+def broadcast_in_place(t: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """dist.broadcast into `t`, then a bump of its version counter, which the write bypasses: whatever is keyed
+    on it (a packed linear, a draft's head rows) sees the new weights."""
+    dist.broadcast(t.data, src=src, group=group)
+    torch.autograd.graph.increment_version(t)
+
+
 def broadcast_modules(modules: list[nn.Module | None], dims: ParallelDims) -> None:
     """Every rank starts from global rank 0's weights, whatever the init."""
     if dims.world_size == 1:
@@ -59,8 +65,7 @@ def broadcast_modules(modules: list[nn.Module | None], dims: ParallelDims) -> No
     for module in modules:
         if module is not None:
             for t in (*module.parameters(), *module.buffers()):
-                dist.broadcast(t.data, src=0)
-            unpack_linears(module)  # the broadcast bypassed the version counters that packing reads
+                broadcast_in_place(t, src=0)
 
 
 def all_reduce_grads(modules: list[nn.Module], group: dist.ProcessGroup) -> None:
@@ -160,13 +165,10 @@ def refit(policy: nn.Module, draft: nn.Module | None, dims: ParallelDims, stage_
     ranks = dims.pp_ranks
     for s, keys in enumerate(stage_keys):
         for k in keys:
-            dist.broadcast(full[k], src=ranks[s], group=dims.pp_group)
+            broadcast_in_place(full[k], src=ranks[s], group=dims.pp_group)
     if draft is not None:
         for t in (*draft.parameters(), *draft.buffers()):
-            dist.broadcast(t.data, src=ranks[-1], group=dims.pp_group)
-    for module in (policy, draft):  # broadcasts write behind the version counters packing reads
-        if module is not None:
-            unpack_linears(module)
+            broadcast_in_place(t, src=ranks[-1], group=dims.pp_group)
 
 
 @contextmanager
