@@ -13,21 +13,22 @@ from pathlib import Path
 
 import torch
 
-from codraft.models.linear import bf16_packing_available, bf16_shape_invariant
+from codraft.models.linear import amx, bf16_packing_available, bf16_shape_invariant
 
 log = logging.getLogger(__name__)
 
 
 def machine() -> dict:
     """What a result was measured on. The CPU's vector ISA matters as much as its cores here: where oneDNN has no
-    bf16 linear (AVX2 only) the rollout's matmuls run fp32 and read twice the bytes, and without AMX the policy's
-    do too under `auto` (models/linear.py)."""
+    bf16 linear (AVX2 only) the rollout's matmuls run fp32 and read twice the bytes, and the policy's do too under
+    `auto` where bf16 copies are not shape-invariant (neither AMX nor codraft's kernels: models/linear.py)."""
     return {
         "cpu_count": os.cpu_count(),
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_matmuls": bf16_packing_available(),  # oneDNN can run bf16 at all (the drafts' auto)
-        "amx": bf16_shape_invariant(),  # the policy's auto is bf16 only with it (models/linear.py)
+        "amx": amx(),  # bf16 copies on oneDNN's AMX kernel, else on codraft's where it loads (models/linear.py)
+        "bf16_shape_invariant": bf16_shape_invariant(),  # the policy's auto is bf16 only then
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "platform": platform.platform(),

@@ -1,4 +1,4 @@
-"""codraft's own fp32 CPU kernels for rollout forwards (`cpu_kernels.cpp`, AVX-512), compiled once per machine.
+"""codraft's own CPU kernels for rollout forwards (`cpu_kernels.cpp`, AVX-512), compiled once per machine.
 
 oneDNN's packed fp32 kernel reads SmolLM2-135M's 538 MB of weights at 15-20 GB/s in a 1-row call with this
 host's 2 threads, where a plain reduction reads ~30, and a row's last bits depend on how many rows share its call
@@ -8,6 +8,11 @@ micro-benchmark, medians of 7) it took 0.50 / 0.61 / 0.62x oneDNN's time at 1 / 
 0.97-1.03x at 256-2048, and a whole greedy decode step of SmolLM2 0.71 / 0.74 / 0.88x at batch 1 / 8 / 32. Each
 output is one fused-multiply-add chain over the inputs whatever the call's rows, so a row's output is bitwise what
 it is alone: a decode step and a verify forward compute a token's matmuls alike.
+
+The same kernel streams bf16 weights (`bf16w_gemm`: half the bytes, widened to fp32 in registers; activations,
+sums and output stay fp32, so a row's bits still do not depend on its call). On the 121 matmuls it took 0.52 /
+0.62 / 0.82 / 0.96x the fp32 kernel's time at 1 / 4 / 8 / 16 rows and 1.02-1.04x at 32-256, where the fp32 fma
+throughput, not the bytes, sets the pace (stop 62, same micro-benchmark).
 
 `rms_norm`, outside autograd (models/model.py): torch's fp32 RMSNorm on CPU runs as six ops, ~2.3 ms of a
 ~27 ms batch-1 decode step of SmolLM2 (61 norms; the step with every norm replaced by the identity, one-off
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 PANEL = 32  # output channels per panel (cpu_kernels.cpp's kPanel)
+_INTERLEAVED = torch.stack([torch.arange(16), torch.arange(16) + 16], 1).flatten()  # a bf16 panel's channel order
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _FALLBACK = "fp32 rollout matmuls run on oneDNN, norms on torch"
@@ -58,9 +64,9 @@ def cpu_kernels() -> ctypes.CDLL | None:
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__, _FALLBACK)
         return None
     c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-    lib.fp32_gemm.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, ptr, c_int]
+    lib.fp32_gemm.argtypes = lib.bf16w_gemm.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, ptr, c_int]
     lib.rms_norm.argtypes = [ptr, c_long, c_long, ptr, ctypes.c_float, ptr, c_int]
-    lib.fp32_gemm.restype = lib.rms_norm.restype = None
+    lib.fp32_gemm.restype = lib.bf16w_gemm.restype = lib.rms_norm.restype = None
     return lib
 
 
@@ -102,20 +108,25 @@ def _build() -> Path:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 weight -> [ceil(N / 32), K, 32] panels, the channels past N zero."""
+    """[N, K] fp32 or bf16 weight -> [ceil(N / 32), K, 32] panels in its dtype, the channels past N zero; a bf16
+    panel's 32 values at each k in the order the kernel widens them (0, 16, 1, 17, ...)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"codraft's kernels take fp32 or bf16 weights, not {weight.dtype}")
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = F.pad(weight.detach().float(), (0, 0, 0, panels * PANEL - n))
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n)).view(panels, PANEL, k).transpose(1, 2)
+    return (padded if weight.dtype == torch.float32 else padded[..., _INTERLEAVED]).contiguous()
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] fp32 through packed panels -> [..., out_features] (+ bias, fp32 [out_features])."""
+    """x [..., K] fp32 through fp32 or bf16 panels -> fp32 [..., out_features] (+ bias, fp32 [out_features])."""
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-    cpu_kernels().fp32_gemm(flat.data_ptr(), flat.shape[0], k, panels.data_ptr(), out_features,
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    lib = cpu_kernels()
+    run = lib.fp32_gemm if panels.dtype == torch.float32 else lib.bf16w_gemm
+    run(flat.data_ptr(), flat.shape[0], k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
+        out.data_ptr(), torch.get_num_threads())
     return out.reshape(*x.shape[:-1], out_features)
 
 

@@ -1,4 +1,4 @@
-"""nn.Linear that, outside autograd, can run on a packed copy of its weight (codraft's fp32 kernel or oneDNN's).
+"""nn.Linear that, outside autograd, can run on a packed copy of its weight (codraft's kernel or oneDNN's).
 
 Rollout forwards on CPU feed 1 to a few dozen rows. MKL's fp32 GEMM at 2-8 rows
 costs 1.5-2x its 1-row GEMV on this machine, so a verify forward of k+1 tokens
@@ -13,7 +13,9 @@ same greedy tokens).
 
 Where codraft's own AVX-512 kernels build (`cpu_kernels.py`), fp32 copies are its panels instead: it read
 SmolLM2-135M's weights at 1-8 rows in 0.50-0.62x oneDNN's time, and a row's output is bitwise the same at every
-row count. bf16 copies, and fp32 ones where it does not build, stay oneDNN's, as below.
+row count. So are bf16 copies on a CPU without AMX: bf16 weights widened to fp32 in registers, fp32 activations
+and sums (half the bytes of an fp32 copy: SmolLM2's matmuls at 1 / 8 / 16 rows in 0.52 / 0.82 / 0.96x the fp32
+kernel's time). bf16 copies with AMX, and every copy where the kernels do not build, stay oneDNN's, as below.
 
 `pack_linears(module)` makes the copies (one per Linear or FusedLinears group,
 the weights' versions and addresses recorded); a copy is used only while autograd
@@ -48,16 +50,22 @@ SmolLM2's down projection came out 1e-3 apart alone and among 40 rows, and its l
 to 32 rows it is bitwise what it is alone. Sliced, a row's output never depends on its call's other rows there,
 so greedy speculation gives plain decoding's tokens; the price is reading the weight once per slice.
 
-On an AMD AVX-512 BF16 host without AMX, bf16 rollouts are not shape-invariant, sliced or not: a 1536-input
+On an AMD AVX-512 BF16 host without AMX, oneDNN's bf16 rollouts are not shape-invariant, sliced or not: a 1536-input
 kernel rounds about one output in 10,000 differently in a 1-row call than among 2-32 rows, and with that padded
 away, the fp32 differences left between a decode step and a verify forward (attention over other numbers of keys
 and queries; ~1e-6) still flip an activation's rounding where it is cast to bf16, a bf16 step the next layers
 carry: a decode step's logits and a 5-token verify's for the same token were 0.1 apart (fp32 copies: 3e-5).
 Plain greedy decoding at batch 8 and 32 gave other tokens than each prompt alone in 1 of 8 and 2 of 32 rows, and
 greedy speculation other tokens than plain decoding in 2 of 8 and 6 of 32 (all at near-ties, 0.002-0.1 apart in
-the logits); in fp32 every row was the same. So `packed_dtype(..., exact=True)`, the policy's, is bfloat16 under
-`auto` only with AMX (`bf16_shape_invariant`); drafts need no such exactness (verification uses the distribution
-they drew from).
+the logits); in fp32 every row was the same. codraft's kernel casts no activation to bf16, so a decode step and a
+verify forward differ only as fp32 copies do: a row's greedy tokens alone, in a batch of 8 and under speculation
+are the same (test_smollm2_parity.py). So `packed_dtype(..., exact=True)`, the policy's, is bfloat16 under `auto`
+where bf16 copies are shape-invariant (`bf16_shape_invariant`: codraft's kernel, or oneDNN's with AMX). On the AMD
+host (stop 62, in-process A/Bs) bf16 weights made a decode step 0.80 / 0.95 / 0.95x the fp32 kernel's time at
+batch 1 / 8 / 32, plain batch-1 decoding 1.33x and EAGLE-3's adaptive speculation 1.10x the tokens/s; a verify
+forward of 8 tokens at batch 1 costs more decode steps (1.86 against 1.29: past ~8 rows the kernel is bound by
+fp32 fma throughput, not bytes), so speculation's ratio over plain decoding fell (1.48 -> 1.30 in that A/B).
+Drafts need no exactness (verification uses the distribution they drew from).
 
 Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
 padding decode and verify calls up to 5-6 rows measured 0.96-1.08x on SmolLM2's whole forward (in-process
@@ -133,11 +141,25 @@ def int8_packing_available() -> bool:
 
 
 @functools.cache
-def bf16_shape_invariant() -> bool:
-    """bf16 matmuls give a row the same logits whatever the shape of its forward (decode step, verify forward,
-    batch size): seen on AMX (the Intel host: greedy speculation equalled plain decoding in every row of every
-    bench), not on AVX-512 BF16 without AMX (module docstring)."""
+def amx() -> bool:
+    """The CPU has AMX: bf16 copies run on oneDNN's AMX kernel, elsewhere on codraft's where it loads."""
     return torch.cpu._is_amx_tile_supported()
+
+
+def bf16_shape_invariant() -> bool:
+    """bf16 copies give a row the same logits whatever the shape of its forward (decode step, verify forward,
+    batch size): on codraft's kernel (bf16 weights, fp32 activations, one fma chain per output) and on oneDNN's
+    with AMX (the Intel host: greedy speculation equalled plain decoding in every row of every bench); not on
+    oneDNN's on AVX-512 BF16 without AMX (module docstring)."""
+    return amx() or cpu_kernels() is not None
+
+
+def _on_codraft_kernel(dtype: torch.dtype) -> bool:
+    """A copy in `dtype` runs on codraft's kernel (cpu_kernels.py): fp32 wherever it loads, bf16 where it loads and
+    the CPU has no AMX (there oneDNN's AMX kernel runs activations in bf16 too, measured as it is)."""
+    if cpu_kernels() is None:
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and not amx())
 
 
 def packed_dtype(setting: str, weights: torch.dtype, exact: bool = False) -> torch.dtype:
@@ -186,7 +208,7 @@ class PackedWeight:
     weight: torch.Tensor | None  # oneDNN's layout, or cpu_kernels' panels (None for an int8 copy)
     bias: torch.Tensor | None  # in the copy's dtype
     int8: torch.ScriptObject | None = None  # quantized::linear_prepack of the int8 weights and the fp32 bias
-    native: bool = False  # `weight` is fp32 panels for codraft's own kernel (cpu_kernels.py)
+    native: bool = False  # `weight` is fp32 or bf16 panels for codraft's own kernel (cpu_kernels.py), `bias` fp32
 
     @property
     def dtype(self) -> torch.dtype:
@@ -204,10 +226,11 @@ def _pack(weights: list[torch.Tensor], biases: list[torch.Tensor | None], dtype:
         bias = None
         if any(b is not None for b in biases):
             bias = torch.cat([b.detach() if b is not None else w.new_zeros(w.shape[0])
-                              for w, b in zip(weights, biases, strict=True)]).to(dtype)
-        if dtype == torch.float32 and cpu_kernels() is not None:
+                              for w, b in zip(weights, biases, strict=True)]).float()
+        if _on_codraft_kernel(dtype):  # fp32 bias: the kernel adds it to its fp32 sums
             return PackedWeight(key, pack_panels(weight), bias, native=True)
-        packed = PackedWeight(key, torch.ops.mkldnn._reorder_linear_weight(weight, None), bias)
+        packed = PackedWeight(key, torch.ops.mkldnn._reorder_linear_weight(weight, None),
+                              None if bias is None else bias.to(dtype))
         _warm(packed, weight)
     return packed
 
@@ -388,9 +411,11 @@ def packed_weight_bytes(module: nn.Module) -> int:
 
 
 def packed_kernels(module: nn.Module) -> list[str]:
-    """What `module`'s packed copies run on (a bench's record): codraft_fp32, onednn_<dtype>, fbgemm_int8."""
+    """What `module`'s packed copies run on (a bench's record): codraft_fp32, codraft_bf16_weights (fp32
+    activations), onednn_<dtype>, fbgemm_int8."""
     copies = [m.packed for m in module.modules() if isinstance(m, Linear)] + [g.packed for g in _groups(module)]
-    return sorted({"codraft_fp32" if p.native else "fbgemm_int8" if p.int8 is not None
+    return sorted({("codraft_fp32" if p.dtype == torch.float32 else "codraft_bf16_weights") if p.native
+                   else "fbgemm_int8" if p.int8 is not None
                    else f"onednn_{str(p.dtype).removeprefix('torch.')}" for p in copies if p is not None})
 
 

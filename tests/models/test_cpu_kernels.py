@@ -1,5 +1,6 @@
-"""codraft's CPU kernels (cpu_kernels.py): F.linear's and F.rms_norm's outputs, a row's bits whatever rows share
-its call, and a fallback to oneDNN and torch with one logged line wherever they cannot be built."""
+"""codraft's CPU kernels (cpu_kernels.py): F.linear's (over fp32 or bf16 weights) and F.rms_norm's outputs, a row's
+bits whatever rows share its call, and a fallback to oneDNN and torch with one logged line wherever they cannot be
+built."""
 
 import logging
 
@@ -16,20 +17,24 @@ from codraft.models.model import RMSNorm
 def kernel():
     """Built at first use in the session's cache (tests/conftest.py), not at collection in the user's."""
     if cpu_kernels.cpu_kernels() is None:
-        pytest.skip("codraft's fp32 kernel does not run here (no AVX-512, OpenMP or C++ compiler)")
+        pytest.skip("codraft's kernels do not run here (no AVX-512, OpenMP or C++ compiler)")
 
 
 def _run(x, weight, bias=None):
     return cpu_kernels.gemm(x, cpu_kernels.pack_panels(weight), bias, weight.shape[0])
 
 
+WEIGHTS = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 weights, fp32 activations
+
+
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 70])  # panels of 32 channels and their tails
 @pytest.mark.parametrize("k", [1, 7, 64, 96])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_a_float64_matmul(n, k, bias):
+@WEIGHTS
+def test_matches_a_float64_matmul(n, k, bias, dtype):
     torch.manual_seed(0)
-    weight, x = torch.randn(n, k), torch.randn(25, k)  # 25 rows: two full tiles of 12 and a 1-row tail
+    weight, x = torch.randn(n, k).to(dtype), torch.randn(25, k)  # 25 rows: two full tiles of 12 and a 1-row tail
     b = torch.randn(n) if bias else None
     ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
     out = _run(x, weight, b)
@@ -38,11 +43,20 @@ def test_matches_a_float64_matmul(n, k, bias):
 
 
 @pytest.mark.usefixtures("kernel")
-def test_a_row_s_output_is_bitwise_the_same_whatever_rows_share_its_call():
+def test_bf16_panels_are_half_the_bytes_and_only_float_weights_pack():
+    weight = torch.randn(70, 24)
+    assert cpu_kernels.pack_panels(weight.bfloat16()).nbytes * 2 == cpu_kernels.pack_panels(weight).nbytes
+    with pytest.raises(TypeError, match="fp32 or bf16"):
+        cpu_kernels.pack_panels(weight.half())
+
+
+@pytest.mark.usefixtures("kernel")
+@WEIGHTS
+def test_a_row_s_output_is_bitwise_the_same_whatever_rows_share_its_call(dtype):
     """A decode step (1 row) and a verify forward (rows x (k+1)) must compute a token's matmuls alike: every
     output is one fma chain over the inputs, whatever tile or thread runs it."""
     torch.manual_seed(0)
-    weight, bias = torch.randn(200, 1536) * 0.05, torch.randn(200)  # SmolLM2's down projection's input width
+    weight, bias = (torch.randn(200, 1536) * 0.05).to(dtype), torch.randn(200)  # SmolLM2's down projection's width
     x = torch.randn(37, 1536)
     alone = torch.cat([_run(x[i : i + 1], weight, bias) for i in range(37)])
     for rows in (2, 5, 12, 13, 25, 37):
@@ -59,13 +73,24 @@ def test_an_empty_call_and_a_strided_input_run():
 
 
 @pytest.mark.usefixtures("kernel")
-def test_packed_fp32_linears_run_on_it_and_other_dtypes_do_not():
-    module = torch.nn.ModuleDict({"a": Linear(24, 40), "b": Linear(24, 40)})
+def test_packed_fp32_linears_run_on_it_bf16_ones_without_amx_and_int8_ones_not():
+    module = torch.nn.ModuleDict({"a": Linear(24, 40), "b": Linear(24, 40), "c": Linear(24, 40)})
     pack_linears(module["a"])
     assert module["a"].packed.native and module["a"].packed.dtype == torch.float32
+    pack_linears(module["b"], dtype=torch.bfloat16)
     if linear.bf16_packing_available():
-        pack_linears(module["b"], dtype=torch.bfloat16)
-        assert not module["b"].packed.native
+        assert module["b"].packed.dtype == torch.bfloat16
+        assert module["b"].packed.native != torch.cpu._is_amx_tile_supported()  # AMX: oneDNN's bf16
+        assert module["b"].packed.bias.dtype == torch.float32 or not module["b"].packed.native
+        x = torch.randn(3, 24)
+        with torch.no_grad():
+            torch.testing.assert_close(module["b"](x), F.linear(x, module["b"].weight.bfloat16().float(),
+                                                                 module["b"].bias), rtol=1e-5, atol=1e-5)
+    assert linear.packed_kernels(module["b"]) == [
+        "codraft_bf16_weights" if module["b"].packed.native else f"onednn_{str(module['b'].packed.dtype)[6:]}"]
+    if linear.int8_packing_available():
+        pack_linears(module["c"], dtype=torch.int8)
+        assert not module["c"].packed.native
 
 
 @pytest.mark.usefixtures("kernel")

@@ -16,8 +16,8 @@ FP32_KERNELS = ["native", "onednn"]  # fp32 copies run on codraft's own kernel w
 
 
 @pytest.fixture
-def onednn_fp32(monkeypatch):
-    """fp32 copies on oneDNN, as where codraft's kernels cannot run (cpu_kernels.py)."""
+def onednn(monkeypatch):
+    """fp32 and bf16 copies on oneDNN, as where codraft's kernels cannot run (cpu_kernels.py)."""
     monkeypatch.setattr(linear, "cpu_kernels", lambda: None)
 
 
@@ -99,7 +99,7 @@ def test_a_packed_module_deep_copies_without_its_packed_weights():
 
 
 @pytest.mark.parametrize("shape", [(17, 64), (3, 25, 64), (300, 64), (1953, 64)])
-def test_calls_padded_to_a_bucket_give_the_same_bits_and_shape(monkeypatch, shape, onednn_fp32):
+def test_calls_padded_to_a_bucket_give_the_same_bits_and_shape(monkeypatch, shape, onednn):
     """Row counts above 8 run zero-padded to one of eight counts per doubling (oneDNN's copies)."""
     from codraft.models import linear
 
@@ -123,7 +123,7 @@ def test_row_counts_run_are_few_and_padding_is_bounded():
     assert all(rows <= run_rows(rows) < rows * 9 / 8 for rows in range(9, 5000))
 
 
-def test_after_the_first_pack_no_call_of_up_to_256_rows_builds_a_kernel(capfd, onednn_fp32):
+def test_after_the_first_pack_no_call_of_up_to_256_rows_builds_a_kernel(capfd, onednn):
     """oneDNN builds a kernel per row count met (about 0.5 MiB each): made at pack time, resident memory
     does not grow as a run meets new row counts."""
     layer = Linear(24, 40, bias=True)
@@ -201,20 +201,22 @@ def test_bf16_copies_of_fp32_weights_hand_back_fp32_close_to_the_fp32_result():
 
 
 @pytest.mark.parametrize("int8", [True, False])
-@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("invariant", [True, False])
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_is_int8_or_bf16_for_a_draft_and_for_a_policy_bf16_only_with_amx(monkeypatch, native, amx, int8):
+def test_auto_is_int8_or_bf16_for_a_draft_and_for_a_policy_bf16_only_where_shape_invariant(monkeypatch, native,
+                                                                                          invariant, int8):
     """oneDNN runs bf16 on any AVX-512 core, by emulation where the CPU has no bf16 instructions: slower than
     fp32, so auto keeps the weights' dtype there. A policy's copies (`exact`) are bf16 only where bf16 rollouts are
-    shape-invariant (AMX): on AVX-512 BF16 without it greedy speculation differed from plain decoding; never int8,
-    whose rows depend on their call's other rows. A draft's are int8 wherever the quantized engine is there."""
+    shape-invariant (AMX, or codraft's kernel): oneDNN's on AVX-512 BF16 without AMX made greedy speculation differ
+    from plain decoding; never int8, whose rows depend on their call's other rows. A draft's are int8 wherever the
+    quantized engine is there."""
     monkeypatch.setattr(linear, "native_bf16", lambda: native)
-    monkeypatch.setattr(linear, "bf16_shape_invariant", lambda: amx)
+    monkeypatch.setattr(linear, "bf16_shape_invariant", lambda: invariant)
     monkeypatch.setattr(linear, "int8_packing_available", lambda: int8)
     bf16 = native and packing_available()
     assert packed_dtype("auto", torch.float32) == (torch.int8 if int8 and packing_available()
                                                    else torch.bfloat16 if bf16 else torch.float32)
-    assert packed_dtype("auto", torch.float32, exact=True) == (torch.bfloat16 if bf16 and amx else torch.float32)
+    assert packed_dtype("auto", torch.float32, exact=True) == (torch.bfloat16 if bf16 and invariant else torch.float32)
     assert packed_dtype("float32", torch.float32) == torch.float32
     for exact in (False, True):
         assert packed_dtype("bfloat16", torch.float32, exact) == (torch.bfloat16 if linear.bf16_packing_available()
@@ -242,11 +244,12 @@ def test_without_a_bf16_linear_on_the_cpu_bf16_asked_for_runs_in_the_weights_dty
 
 
 @pytest.mark.skipif(not linear.native_bf16(), reason="bf16 copies are used only where the CPU has bf16 arithmetic")
-def test_a_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call_up_to_a_rare_bf16_step():
+@pytest.mark.usefixtures("onednn")
+def test_a_onednn_bf16_copy_gives_a_row_the_same_output_whatever_rows_share_its_call_up_to_a_rare_bf16_step():
     """oneDNN's bf16 kernels sum in another order above 32 rows (the Intel AMX host) and round the difference to a
     bf16 step in many outputs; the copy runs larger calls in slices of 32, so a verify forward's row is its decode
     step's but for outputs that round to the neighbouring bf16 value (none on the Intel host, ~1e-4 of them on an
-    AMD AVX-512 BF16 one: module docstring)."""
+    AMD AVX-512 BF16 one: module docstring). codraft's kernel has none (test_cpu_kernels.py)."""
     torch.manual_seed(0)
     layer = Linear(1536, 576, bias=False)  # SmolLM2's down projection
     pack_linears(layer, dtype=torch.bfloat16)

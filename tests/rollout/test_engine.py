@@ -289,7 +289,8 @@ def test_packed_weights_give_the_reference_paths_tokens_and_logprobs(params):
 @pytest.mark.skipif(not native_bf16(), reason="bf16 copies are used only where the CPU has bf16 arithmetic")
 def test_bf16_rollout_matmuls_keep_greedy_speculation_equal_to_plain_decoding():
     """`model.inference_dtype=bfloat16`: the policy's linears run on bf16 copies, its head on fp32 ones (greedy
-    equality on this tiny model; SmolLM2's bf16 rollouts are shape-invariant only with AMX: models/linear.py)."""
+    equality on this tiny model; SmolLM2's bf16 rollouts are shape-invariant with AMX or on codraft's kernel, not on
+    oneDNN's without AMX: models/linear.py)."""
     model = model_for_greedy()
     model.inference_dtype = torch.bfloat16
     plain = generate(model, PROMPTS, temperature=0, max_new_tokens=24, stop_token_ids=[])
