@@ -33,7 +33,8 @@ at the cost of decoding): it samples acceptance at every position, and where
 the batch has no more rows than that it times the longest verify shape, whose
 cost per token a 2-token forward misstates (at batch 1 on a CPU a 5-token
 forward can cost what a 2-token one does). While on, one
-step in 32 decodes plainly to keep the decode cost it compares against fresh.
+step in 32 decodes plainly to keep the decode cost it compares against fresh, and while on at a k
+shorter than a probe's, one step in 32 is a probe, which reads the positions past k that its steps never reach.
 A proposal that first absorbs a backlog (the prompt, or the tokens committed
 while speculation was off) says nothing about the steady per-step draft cost,
 so its time is not learned from; until one is, drafting is priced at 5% of a
@@ -232,6 +233,11 @@ class SpeculationController:
         # the first steps measured
         self.refresh_every = refresh_every
         self.since_decode: dict[int, int] = {}  # rows -> verify steps since the last plain one at those rows
+        # rows -> verify steps of fewer than probe_k drafts since one of probe_k. A step of k never reaches the
+        # positions past k, so one rejected draft at position 2 (a call's first probe) held its estimate at 0.15 and
+        # a batch-1 run at T=1 at k = 1 for 115 of 121 steps, 1.35x plain decoding where fixed k = 7 ran 1.57x (stop
+        # 62): while on at a shorter k, one step in `refresh_every` at each row count is a probe of probe_k
+        self.since_deep: dict[int, int] = {}
         self.probing = False  # the last choice was a probe: it samples acceptance, so it should cost little
         self.off = False  # the last choice was off or a probe (a plain step that re-times decode counts as on)
         # rows -> a probe's seconds beyond a plain step, in decode steps (EMA). At batch 32 a probe's 36-row forward
@@ -464,6 +470,9 @@ class SpeculationController:
             self.steps_off, self.probe_interval = 0, self.first_probe
             if self.since_decode.get(rows, self.refresh_every) >= self.refresh_every:
                 return 0
+            if best < self.probe_k and self.since_deep.get(rows, 0) >= self.refresh_every:
+                self.probing = True  # the positions past a short k, which its steps never reach
+                return self.probe_k
             return best
         # off, or on by the prior alone (no acceptance observed yet), which is only worth a probe
         self.steps_off += 1
@@ -516,6 +525,8 @@ class SpeculationController:
         if k and self.samples_all(rows):
             update_ema(self.verified, k, fed / rows - 1)
         self.since_decode[rows] = self.since_decode.get(rows, 0) + 1 if k else 0
+        if k:
+            self.since_deep[rows] = 0 if k >= self.probe_k else self.since_deep.get(rows, 0) + 1
         if self.stop is not None and self.stop.position_s:  # the marginal seconds of a draft position at these rows
             update_ema(self.position_s, rows, statistics.median(self.stop.position_s))
         self.stop = None

@@ -263,7 +263,7 @@ def test_a_call_after_one_that_ended_off_starts_from_that_calls_whole_acceptance
     assert steps_until_off(c, rows=4, rate=0.0, k=2) <= 16  # past them, within the call
     assert c.choose(4) == 0 and not c.probing
     c.new_batch(4)
-    assert next_choice(c, 4) > 0 and not c.probing  # speculating from the first steps of the new call
+    assert next_choice(c, 4) > 0 and not c.off  # speculating from the first steps of the new call
 
     on = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=4)
     observe_acceptance(on, 0.9, rows=4, steps=60, k=2)
@@ -412,3 +412,23 @@ def test_a_row_count_never_probed_at_waits_as_long_as_the_nearest_one_that_was()
     assert c.probe_wait(31) == c.probe_wait(32) == 50
     c.observe_probe(8, 0.06)
     assert c.probe_wait(9) == c.probe_wait(8) == pytest.approx(0.2 / c.probe_budget)
+
+
+def test_while_on_at_a_short_k_a_probe_now_and_then_reads_the_positions_past_it():
+    """A step of k never reaches the positions past k: one rejected draft at position 2 held its estimate at 0.15 and
+    a batch-1 bench run at T=1 at k = 1 for 115 of 121 steps where fixed k = 7 ran 1.57x (stop 62)."""
+    c = controller_with_costs(decode_s=0.01, extra_per_token=0.05, rows=1, max_k=4)
+    c.observe(4, [1, 1, 0, 0], [1, 0, 0, 0], 1, verify_s=c.cost(1, 5), draft_s=0.002)  # position 2 rejected once
+    chosen = []
+    for _ in range(2 * c.refresh_every):
+        k = c.choose(1)
+        chosen.append((k, c.probing))
+        if k:  # the draft is good at every position
+            observe_acceptance(c, 0.95, rows=1, steps=1, k=k)
+        else:
+            c.observe(0, [], [], 1, verify_s=0.01, draft_s=None)
+    assert chosen[0] == (1, False)  # the one rejection prices k > 1 out
+    probe = chosen.index((4, True))
+    assert probe <= c.refresh_every + 1 and all(k == 1 for k, _ in chosen[1:probe] if k)
+    after = [k for k, _ in chosen[probe + 1:] if k]
+    assert min(after) >= 3 and after[-1] == 4, chosen  # read once, the deeper positions pay
