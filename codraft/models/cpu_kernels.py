@@ -22,8 +22,8 @@ training's F.rms_norm (as the matmuls' do from F.linear's); a row's output does 
 They are compiled with the C++ compiler (`$CXX`, else g++) into `$CODRAFT_CACHE/kernels/` at first use, keyed by the
 source, flags and compiler, and loaded with ctypes; their OpenMP threads are torch's own (the same libgomp, whose
 pool `torch.set_num_threads` sizes). Used where the CPU has AVX-512 and torch runs on OpenMP; `CODRAFT_CPU_KERNELS=0`
-turns them off. Where they cannot be built or loaded, fp32 copies stay oneDNN's and norms torch's, with one logged
-line.
+turns them off. Where they cannot be built or loaded, fp32 and bf16 copies stay oneDNN's (and, without AMX, the
+policy's `auto` copies fp32: linear.py) and norms torch's, with one logged line.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ PANEL = 32  # output channels per panel (cpu_kernels.cpp's kPanel)
 _INTERLEAVED = torch.stack([torch.arange(16), torch.arange(16) + 16], 1).flatten()  # a bf16 panel's channel order
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-_FALLBACK = "fp32 rollout matmuls run on oneDNN, norms on torch"
+_FALLBACK = "rollout matmuls run on oneDNN, norms on torch"
 
 
 @functools.cache
