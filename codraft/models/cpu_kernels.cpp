@@ -57,9 +57,9 @@ void tile(const float* x, long K, const W* panel, float* y, long ldy, int valid,
 template <typename W>
 void gemm(const float* x, long M, long K, const W* panels, long N, const float* bias, float* y, int threads) {
   using Tile = void (*)(const float*, long, const W*, float*, long, int, const float*);
-  static constexpr Tile tiles[kTileRows + 1] = {nullptr,       tile<1, W>,  tile<2, W>,  tile<3, W>, tile<4, W>,
-                                                tile<5, W>,    tile<6, W>,  tile<7, W>,  tile<8, W>, tile<9, W>,
-                                                tile<10, W>,   tile<11, W>, tile<12, W>};
+  static constexpr Tile tiles[kTileRows + 1] = {nullptr,    tile<1, W>, tile<2, W>,  tile<3, W>,  tile<4, W>,
+                                                tile<5, W>, tile<6, W>, tile<7, W>,  tile<8, W>,  tile<9, W>,
+                                                tile<10, W>, tile<11, W>, tile<12, W>};
   const long P = (N + kPanel - 1) / kPanel;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long p = 0; p < P; ++p) {

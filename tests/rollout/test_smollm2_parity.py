@@ -7,6 +7,7 @@ import torch
 from codraft.commands.common import encode_prompt
 from codraft.models import load_model
 from codraft.models.cpu_kernels import cpu_kernels
+from codraft.models.linear import amx
 from codraft.rollout import generate
 from codraft.rollout.drafters import NgramDrafter
 
@@ -34,7 +35,7 @@ def test_greedy_matches_transformers_generate_on_smollm2(smollm2_transformers):
 def test_bf16_rollouts_on_codraft_s_kernel_give_a_row_its_tokens_whatever_its_batch_or_forward_shape():
     """bf16 weights on codraft's kernel (activations stay fp32): a row's greedy tokens are the same alone, in a
     batch and under speculation. oneDNN's bf16 without AMX gave other tokens in 1-2 of 8-32 rows (models/linear.py)."""
-    if cpu_kernels() is None or torch.cpu._is_amx_tile_supported():
+    if cpu_kernels() is None or amx():
         pytest.skip("bf16 copies run on oneDNN here (no codraft kernel, or AMX)")
     model, tokenizer = load_model("smollm2-135m")
     model.inference_dtype = torch.bfloat16
