@@ -250,7 +250,7 @@ def write_cache(cache: KVCache, layer: int, positions: torch.Tensor, k: torch.Te
 def draft_cache_mask(visible: torch.Tensor, num_queries: int, args: ModelArgs, dtype: torch.dtype) -> CacheMask:
     """The mask of a draft's inference attention over its cache, built once per forward and read by every
     layer: visible [B, S or 1, L] bool."""
-    return CacheMask(visible, num_queries, args.num_heads, args.num_kv_heads, dtype)
+    return CacheMask(visible, num_queries, args.num_heads, args.num_kv_heads, args.head_dim, dtype)
 
 
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: CacheMask) -> torch.Tensor:

@@ -12,7 +12,15 @@ it is alone: a decode step and a verify forward compute a token's matmuls alike.
 The same kernel streams bf16 weights (`bf16w_gemm`: half the bytes, widened to fp32 in registers; activations,
 sums and output stay fp32, so a row's bits still do not depend on its call). On the 121 matmuls it took 0.52 /
 0.62 / 0.82 / 0.96x the fp32 kernel's time at 1 / 4 / 8 / 16 rows and 1.02-1.04x at 32-256, where the fp32 fma
-throughput, not the bytes, sets the pace (stop 62, same micro-benchmark).
+throughput, not the bytes, sets the pace (stop 62, same micro-benchmark). Where the CPU has AVX-512 BF16,
+`bf16_gemm` rounds the activations to bf16 and sums bf16 dot products in fp32 (vdpbf16ps: two multiply-adds a lane
+and no widening): 0.91 / 0.85 / 0.80 / 0.65 / 0.61x `bf16w_gemm`'s time at 1 / 4 / 8 / 16 / 24 rows (stop 63,
+same micro-benchmark, the AMD host). A row's bits still do not depend on its call.
+
+`cache_attention`: a decode, verify or draft step's attention over a KV cache, one query at a time (one fma chain
+over the keys it sees, whatever its call's other queries and rows or the columns it does not see): the grouped
+matmuls it replaces (cache_attention.py) gave a query other last bits in a decode step than in a verify forward,
+which bf16 activations round into whole bf16 steps.
 
 `rms_norm`, outside autograd (models/model.py): torch's fp32 RMSNorm on CPU runs as six ops, ~2.3 ms of a
 ~27 ms batch-1 decode step of SmolLM2 (61 norms; the step with every norm replaced by the identity, one-off
@@ -63,11 +71,22 @@ def cpu_kernels() -> ctypes.CDLL | None:
         log.warning("codraft's CPU kernels could not be built or loaded (%s); %s",
                     str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__, _FALLBACK)
         return None
-    c_long, c_int, ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
-    lib.fp32_gemm.argtypes = lib.bf16w_gemm.argtypes = [ptr, c_long, c_long, ptr, c_long, ptr, ptr, c_int]
-    lib.rms_norm.argtypes = [ptr, c_long, c_long, ptr, ctypes.c_float, ptr, c_int]
-    lib.fp32_gemm.restype = lib.bf16w_gemm.restype = lib.rms_norm.restype = None
+    c_long, c_int, ptr, c_float = ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    for gemm_kernel in (lib.fp32_gemm, lib.bf16w_gemm, lib.bf16_gemm):
+        gemm_kernel.argtypes, gemm_kernel.restype = [ptr, c_long, c_long, ptr, c_long, ptr, ptr, c_int], None
+    lib.rms_norm.argtypes, lib.rms_norm.restype = [ptr, c_long, c_long, ptr, c_float, ptr, c_int], None
+    lib.cache_attention.argtypes = [ptr, *[c_long] * 3, ptr, ptr, *[c_long] * 3, ptr, *[c_long] * 2, ptr,
+                                    *[c_long] * 9, c_float, c_int]
+    lib.cache_attention.restype = None
+    lib.has_avx512_bf16.argtypes, lib.has_avx512_bf16.restype = [], c_int
     return lib
+
+
+@functools.cache
+def bf16_dot_products() -> bool:
+    """The kernels load and the CPU has AVX-512 BF16: bf16 panels run `bf16_gemm` (activations rounded to bf16)."""
+    lib = cpu_kernels()
+    return lib is not None and bool(lib.has_avx512_bf16())
 
 
 def _unsupported() -> str | None:
@@ -107,24 +126,32 @@ def _build() -> Path:
     return target
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 or bf16 weight -> [ceil(N / 32), K, 32] panels in its dtype, the channels past N zero; a bf16
-    panel's 32 values at each k in the order the kernel widens them (0, 16, 1, 17, ...)."""
+def pack_panels(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+    """[N, K] fp32 or bf16 weight -> panels of 32 output channels in its dtype, the channels past N zero: fp32
+    [ceil(N / 32), K, 32]; bf16 as pairs [ceil(N / 32), K / 2, 32, 2] for `bf16_gemm` where `pairs` (default:
+    `bf16_dot_products()`) and K is even, else [ceil(N / 32), K, 32] with each k's 32 values in the order
+    `bf16w_gemm` widens them (0, 16, 1, 17, ...)."""
     if weight.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"codraft's kernels take fp32 or bf16 weights, not {weight.dtype}")
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n)).view(panels, PANEL, k).transpose(1, 2)
-    return (padded if weight.dtype == torch.float32 else padded[..., _INTERLEAVED]).contiguous()
+    padded = F.pad(weight.detach(), (0, 0, 0, panels * PANEL - n)).view(panels, PANEL, k)
+    if weight.dtype == torch.float32:
+        return padded.transpose(1, 2).contiguous()
+    if (bf16_dot_products() if pairs is None else pairs) and k % 2 == 0:
+        return padded.view(panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return padded.transpose(1, 2)[..., _INTERLEAVED].contiguous()
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [..., K] fp32 through fp32 or bf16 panels -> fp32 [..., out_features] (+ bias, fp32 [out_features])."""
+    """x [..., K] fp32 through `pack_panels`' panels -> fp32 [..., out_features] (+ bias, fp32 [out_features]);
+    through bf16 pairs x is rounded to bf16 first."""
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
     lib = cpu_kernels()
-    run = lib.fp32_gemm if panels.dtype == torch.float32 else lib.bf16w_gemm
+    run = (lib.fp32_gemm if panels.dtype == torch.float32 else lib.bf16_gemm if panels.dim() == 4
+           else lib.bf16w_gemm)
     run(flat.data_ptr(), flat.shape[0], k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
         out.data_ptr(), torch.get_num_threads())
     return out.reshape(*x.shape[:-1], out_features)
@@ -138,3 +165,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     cpu_kernels().rms_norm(flat.data_ptr(), flat.shape[0], d, weight.contiguous().data_ptr(), eps, out.data_ptr(),
                            torch.get_num_threads())
     return out.view(x.shape)
+
+
+def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v, fp32: q [B, H, S, D], keys/values [B, Hkv, L, D] (the same strides, e.g. views of
+    a cache), visible [B, S or 1, L] uint8 -> [B, H, S, D] (a view of [B, S, H, D] memory); D contiguous
+    everywhere. A query's output depends only on it and the keys it sees (cpu_kernels.cpp)."""
+    B, H, S, D = q.shape
+    Hkv, L = keys.shape[1], keys.shape[2]
+    assert keys.stride() == values.stride() and q.stride(-1) == keys.stride(-1) == visible.stride(-1) == 1
+    assert D % 16 == 0 and D <= 128, f"the kernel takes head dims of 16, 32, ..., 128, not {D}"
+    out = torch.empty(B, S, H, D).transpose(1, 2)
+    cpu_kernels().cache_attention(
+        q.data_ptr(), *q.stride()[:3], keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], visible.data_ptr(),
+        visible.stride(0), visible.stride(1) if visible.shape[1] > 1 else 0, out.data_ptr(), *out.stride()[:3],
+        B, H, S, Hkv, L, D, D**-0.5, torch.get_num_threads())
+    return out

@@ -13,9 +13,10 @@ same greedy tokens).
 
 Where codraft's own AVX-512 kernels build (`cpu_kernels.py`), fp32 copies are its panels instead: it read
 SmolLM2-135M's weights at 1-8 rows in 0.50-0.62x oneDNN's time, and a row's output is bitwise the same at every
-row count. So are bf16 copies on a CPU without AMX: bf16 weights widened to fp32 in registers, fp32 activations
-and sums (half the bytes of an fp32 copy: SmolLM2's matmuls at 1 / 8 / 16 rows in 0.52 / 0.82 / 0.96x the fp32
-kernel's time). bf16 copies with AMX, and every copy where the kernels do not build, stay oneDNN's, as below.
+row count. So are bf16 copies on a CPU without AMX: with AVX-512 BF16, activations rounded to bf16 and bf16 dot
+products summed in fp32 (`bf16_gemm`); else bf16 weights widened to fp32 in registers, fp32 activations and sums
+(half the bytes of an fp32 copy: SmolLM2's matmuls at 1 / 8 / 16 rows in 0.52 / 0.82 / 0.96x the fp32 kernel's
+time). bf16 copies with AMX, and every copy where the kernels do not build, stay oneDNN's, as below.
 
 `pack_linears(module)` makes the copies (one per Linear or FusedLinears group,
 the weights' versions and addresses recorded); a copy is used only while autograd
@@ -57,14 +58,17 @@ and queries; ~1e-6) still flip an activation's rounding where it is cast to bf16
 carry: a decode step's logits and a 5-token verify's for the same token were 0.1 apart (fp32 copies: 3e-5).
 Plain greedy decoding at batch 8 and 32 gave other tokens than each prompt alone in 1 of 8 and 2 of 32 rows, and
 greedy speculation other tokens than plain decoding in 2 of 8 and 6 of 32 (all at near-ties, 0.002-0.1 apart in
-the logits); in fp32 every row was the same. codraft's kernel casts no activation to bf16, so a decode step and a
-verify forward differ only as fp32 copies do: a row's greedy tokens alone, in a batch of 8 and under speculation
-are the same (test_smollm2_parity.py). So `packed_dtype(..., exact=True)`, the policy's, is bfloat16 under `auto`
-where bf16 copies are shape-invariant (`bf16_shape_invariant`: codraft's kernel, or oneDNN's with AMX). On the AMD
-host (stop 62, in-process A/Bs) bf16 weights made a decode step 0.80 / 0.95 / 0.95x the fp32 kernel's time at
-batch 1 / 8 / 32, plain batch-1 decoding 1.33x and EAGLE-3's adaptive speculation 1.10x the tokens/s; a verify
-forward of 8 tokens at batch 1 costs more decode steps (1.86 against 1.29: past ~8 rows the kernel is bound by
-fp32 fma throughput, not bytes), so speculation's ratio over plain decoding fell (1.48 -> 1.30 in that A/B).
+the logits); in fp32 every row was the same. On codraft's kernels a row's matmuls and its queries' attention
+(cache_attention.py) are bitwise the same at every shape, so a decode step and a verify forward compute a token
+alike, bf16 activations included: a row's greedy tokens alone, in a batch of 8 and under speculation are the same
+(test_smollm2_parity.py), and a verify forward's logits are its decode steps' bit for bit (test_model.py; with the
+grouped matmuls' attention they were up to 0.02 apart). So `packed_dtype(..., exact=True)`, the policy's, is
+bfloat16 under `auto` where bf16 copies are shape-invariant (`bf16_shape_invariant`: codraft's kernels, or oneDNN's
+with AMX). On the AMD host, SmolLM2's forwards with bf16 activations (and the kernel's attention) took 0.90x the
+time of bf16 weights over fp32 activations (and grouped attention) in a batch-1 decode step, 0.71-0.73x in batch-1
+verify forwards of 4-8 tokens, 0.68-0.78x at batch 8 and 0.67-0.69x at batch 32 (stop 63, an in-process A/B with
+the arms interleaved forward by forward, medians of 10, a one-off script): past ~8 rows bf16 weights
+widened to fp32 were bound by fp32 fma throughput, where a bf16 dot product does two multiply-adds a lane.
 Drafts need no exactness (verification uses the distribution they drew from).
 
 Calls of up to 8 rows run as they are. Single oneDNN matmuls of 1-2 rows run a slower path than of 3-6, but
@@ -148,9 +152,9 @@ def amx() -> bool:
 
 def bf16_shape_invariant() -> bool:
     """bf16 copies give a row the same logits whatever the shape of its forward (decode step, verify forward,
-    batch size): on codraft's kernel (bf16 weights, fp32 activations, one fma chain per output) and on oneDNN's
-    with AMX (the Intel host: greedy speculation equalled plain decoding in every row of every bench); not on
-    oneDNN's on AVX-512 BF16 without AMX (module docstring)."""
+    batch size): on codraft's kernels (one chain of fmas or bf16 dot products per output, attention one query at a
+    time) and on oneDNN's with AMX (the Intel host: greedy speculation equalled plain decoding in every row of every
+    bench); not on oneDNN's on AVX-512 BF16 without AMX (module docstring)."""
     return amx() or cpu_kernels() is not None
 
 
@@ -411,12 +415,16 @@ def packed_weight_bytes(module: nn.Module) -> int:
 
 
 def packed_kernels(module: nn.Module) -> list[str]:
-    """What `module`'s packed copies run on (a bench's record): codraft_fp32, codraft_bf16_weights (fp32
-    activations), onednn_<dtype>, fbgemm_int8."""
+    """What `module`'s packed copies run on (a bench's record): codraft_fp32, codraft_bf16 (bf16 activations and
+    dot products), codraft_bf16_weights (fp32 activations), onednn_<dtype>, fbgemm_int8."""
+    def kernel(p: PackedWeight) -> str:
+        if p.native:
+            return ("codraft_fp32" if p.dtype == torch.float32 else "codraft_bf16" if p.weight.dim() == 4
+                    else "codraft_bf16_weights")
+        return "fbgemm_int8" if p.int8 is not None else f"onednn_{str(p.dtype).removeprefix('torch.')}"
+
     copies = [m.packed for m in module.modules() if isinstance(m, Linear)] + [g.packed for g in _groups(module)]
-    return sorted({("codraft_fp32" if p.dtype == torch.float32 else "codraft_bf16_weights") if p.native
-                   else "fbgemm_int8" if p.int8 is not None
-                   else f"onednn_{str(p.dtype).removeprefix('torch.')}" for p in copies if p is not None})
+    return sorted({kernel(p) for p in copies if p is not None})
 
 
 def unpack_linears(module: nn.Module) -> None:

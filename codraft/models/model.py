@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         if cache is not None:
             ctx.kv_len = int(positions.max()) + 1
             visible = torch.arange(ctx.kv_len, device=x.device) <= positions[..., None]  # [B, S, kv_len]
-            ctx.mask = CacheMask(visible, S, self.args.num_heads, self.args.num_kv_heads, x.dtype)
+            ctx.mask = CacheMask(visible, S, self.args.num_heads, self.args.num_kv_heads, self.args.head_dim, x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
 
         wanted = set(taps)

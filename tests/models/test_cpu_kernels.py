@@ -1,6 +1,6 @@
-"""codraft's CPU kernels (cpu_kernels.py): F.linear's (over fp32 or bf16 weights) and F.rms_norm's outputs, a row's
-bits whatever rows share its call, and a fallback to oneDNN and torch with one logged line wherever they cannot be
-built."""
+"""codraft's CPU kernels (cpu_kernels.py): F.linear's (over fp32 or bf16 weights, fp32 or bf16 activations) and
+F.rms_norm's outputs, a row's bits whatever rows share its call, and a fallback to oneDNN and torch with one logged line
+wherever they cannot be built."""
 
 import logging
 
@@ -20,24 +20,32 @@ def kernel():
         pytest.skip("codraft's kernels do not run here (no AVX-512, OpenMP or C++ compiler)")
 
 
-def _run(x, weight, bias=None):
-    return cpu_kernels.gemm(x, cpu_kernels.pack_panels(weight), bias, weight.shape[0])
+def _run(x, weight, bias=None, pairs=None):
+    return cpu_kernels.gemm(x, cpu_kernels.pack_panels(weight, pairs), bias, weight.shape[0])
 
 
-WEIGHTS = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 weights, fp32 activations
+@pytest.fixture(params=["fp32", "bf16_weights", "bf16"])
+def layout(request):
+    """fp32 weights; bf16 weights widened to fp32 (fp32 activations); bf16 pairs (activations rounded to bf16, AVX-512
+    BF16 dot products): (weight dtype, pairs, the activations' dtype)."""
+    if request.param == "bf16" and not cpu_kernels.bf16_dot_products():
+        pytest.skip("this CPU has no AVX-512 BF16")
+    return {"fp32": (torch.float32, False, torch.float32), "bf16_weights": (torch.bfloat16, False, torch.float32),
+            "bf16": (torch.bfloat16, True, torch.bfloat16)}[request.param]
 
 
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("n", [1, 16, 17, 32, 33, 70])  # panels of 32 channels and their tails
-@pytest.mark.parametrize("k", [1, 7, 64, 96])
+@pytest.mark.parametrize("k", [1, 7, 64, 96])  # bf16 pairs need an even k: odd ones widen
 @pytest.mark.parametrize("bias", [False, True])
-@WEIGHTS
-def test_matches_a_float64_matmul(n, k, bias, dtype):
+def test_matches_a_float64_matmul(n, k, bias, layout):
+    dtype, pairs, activations = layout
     torch.manual_seed(0)
     weight, x = torch.randn(n, k).to(dtype), torch.randn(25, k)  # 25 rows: two full tiles of 12 and a 1-row tail
     b = torch.randn(n) if bias else None
-    ref = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    out = _run(x, weight, b)
+    rounded = x.to(activations) if k % 2 == 0 else x
+    ref = F.linear(rounded.double(), weight.double(), None if b is None else b.double())
+    out = _run(x, weight, b, pairs)
     assert out.shape == (25, n) and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
 
@@ -45,23 +53,25 @@ def test_matches_a_float64_matmul(n, k, bias, dtype):
 @pytest.mark.usefixtures("kernel")
 def test_bf16_panels_are_half_the_bytes_and_only_float_weights_pack():
     weight = torch.randn(70, 24)
-    assert cpu_kernels.pack_panels(weight.bfloat16()).nbytes * 2 == cpu_kernels.pack_panels(weight).nbytes
+    for pairs in (False, True):
+        assert cpu_kernels.pack_panels(weight.bfloat16(), pairs).nbytes * 2 == cpu_kernels.pack_panels(weight).nbytes
     with pytest.raises(TypeError, match="fp32 or bf16"):
         cpu_kernels.pack_panels(weight.half())
 
 
 @pytest.mark.usefixtures("kernel")
-@WEIGHTS
-def test_a_row_s_output_is_bitwise_the_same_whatever_rows_share_its_call(dtype):
+def test_a_row_s_output_is_bitwise_the_same_whatever_rows_share_its_call(layout):
     """A decode step (1 row) and a verify forward (rows x (k+1)) must compute a token's matmuls alike: every
-    output is one fma chain over the inputs, whatever tile or thread runs it."""
+    output is one fma (or bf16 pair) chain over the inputs, whatever tile or thread runs it."""
+    dtype, pairs, _ = layout
     torch.manual_seed(0)
     weight, bias = (torch.randn(200, 1536) * 0.05).to(dtype), torch.randn(200)  # SmolLM2's down projection's width
+    panels = cpu_kernels.pack_panels(weight, pairs)
     x = torch.randn(37, 1536)
-    alone = torch.cat([_run(x[i : i + 1], weight, bias) for i in range(37)])
+    alone = torch.cat([cpu_kernels.gemm(x[i : i + 1], panels, bias, 200) for i in range(37)])
     for rows in (2, 5, 12, 13, 25, 37):
-        assert torch.equal(_run(x[:rows], weight, bias), alone[:rows]), rows
-    assert torch.equal(_run(x[3:9].view(2, 3, 1536), weight, bias), alone[3:9].view(2, 3, 200))
+        assert torch.equal(cpu_kernels.gemm(x[:rows], panels, bias, 200), alone[:rows]), rows
+    assert torch.equal(cpu_kernels.gemm(x[3:9].view(2, 3, 1536), panels, bias, 200), alone[3:9].view(2, 3, 200))
 
 
 @pytest.mark.usefixtures("kernel")
@@ -83,11 +93,13 @@ def test_packed_fp32_linears_run_on_it_bf16_ones_without_amx_and_int8_ones_not()
         assert module["b"].packed.native != linear.amx()  # AMX: oneDNN's bf16
         assert module["b"].packed.bias.dtype == torch.float32 or not module["b"].packed.native
         x = torch.randn(3, 24)
+        pairs = module["b"].packed.native and cpu_kernels.bf16_dot_products()  # activations rounded to bf16 too
         with torch.no_grad():
-            torch.testing.assert_close(module["b"](x), F.linear(x, module["b"].weight.bfloat16().float(),
+            torch.testing.assert_close(module["b"](x), F.linear(x.bfloat16().float() if pairs else x,
+                                                                 module["b"].weight.bfloat16().float(),
                                                                  module["b"].bias), rtol=1e-5, atol=1e-5)
-    assert linear.packed_kernels(module["b"]) == [
-        "codraft_bf16_weights" if module["b"].packed.native else f"onednn_{str(module['b'].packed.dtype)[6:]}"]
+        kind = "codraft_bf16" if pairs else "codraft_bf16_weights" if module["b"].packed.native else "onednn_bfloat16"
+        assert linear.packed_kernels(module["b"]) == [kind]
     if linear.int8_packing_available():
         pack_linears(module["c"], dtype=torch.int8)
         assert not module["c"].packed.native

@@ -1,5 +1,6 @@
 """The decoder's modes agree with each other: cache decode, verify+rollback, packed, stages."""
 
+import pytest
 import torch
 
 from codraft.models import ModelArgs, Transformer
@@ -219,3 +220,36 @@ def test_finished_rows_slots_are_refilled_from_the_end_in_place():
     more = torch.tensor([1, 1, 0, 3, 2])  # more rows than there are (a prompt's copies): a new tensor
     assert torch.equal(take_rows(kept, more, 0), expected[more])
     assert compaction(torch.tensor([True, True])).numel() == 0
+
+
+@torch.no_grad()
+def test_on_codraft_s_kernels_a_verify_forward_gives_a_decode_step_s_bits_with_bf16_activations():
+    """Greedy speculation is lossless only if a verify forward computes what decode steps compute, bit for bit: with
+    bf16 activations (bf16 pairs on the kernel) an fp32 difference of 1e-7 anywhere (attention's sums over another
+    number of queries or keys) flips a rounding into a whole bf16 step. Three rows of different lengths: 5 tokens fed
+    at once give the logits and cache keys of the same 5 fed one at a time."""
+    from codraft.models import cpu_kernels
+    from codraft.models.linear import pack_linears, packed_kernels
+
+    if cpu_kernels.cpu_kernels() is None:
+        pytest.skip("codraft's kernels do not run here (no AVX-512, OpenMP or C++ compiler)")
+    # head_dim 64, SmolLM2's: with the grouped matmuls' attention these logits were up to 0.02 apart (checked)
+    model = tiny(num_layers=6, hidden_size=256, intermediate_size=384).float()
+    pack_linears(model, dtype=torch.bfloat16)
+    kind = "codraft_bf16" if cpu_kernels.bf16_dot_products() else "codraft_bf16_weights"
+    assert kind in packed_kernels(model)
+    g = torch.Generator().manual_seed(0)
+    prompts, lengths = torch.randint(0, 97, (3, 40), generator=g), torch.tensor([40, 23, 31])
+    new = torch.randint(0, 97, (3, 5), generator=g)
+    runs = []
+    for fed in (5, 1):
+        cache = model.new_cache(batch_size=3, max_len=64)
+        model(prompts, cache=cache)
+        cache.lengths.copy_(lengths)
+        logits = []
+        for i in range(0, 5, fed):
+            logits.append(model(new[:, i : i + fed], cache=cache).logits)
+            cache.advance(fed)
+        runs.append((torch.cat(logits, 1), cache.k[:, 0, :, :45].clone()))
+    (verify, verify_keys), (decode, decode_keys) = runs
+    assert torch.equal(verify, decode) and torch.equal(verify_keys, decode_keys)
