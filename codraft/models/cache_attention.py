@@ -3,9 +3,10 @@
 Those steps bring 1-16 queries per row. Where codraft's CPU kernels load, fp32 steps run their `cache_attention`
 (cpu_kernels.cpp): one query at a time, so a query's output is bitwise the same in a decode step and in a verify
 forward, alone or in a batch. Matmuls over the grouped queries (below) give a decode step's and a verify's query
-outputs ~1e-7 apart, which bf16 activations (`cpu_kernels.bf16_gemm`) would round into whole bf16 steps; the
-kernel takes 0.8-1.4x their time (SmolLM2's heads, 200 keys; faster at 32 rows, slower at 1-8 rows x 4-8
-queries). Elsewhere: PyTorch's CPU flash kernel splits its work by (row, head, query
+outputs ~1e-7 apart, which bf16 activations (`cpu_kernels.bf16_gemm`) would round into whole bf16 steps. Alone
+on contiguous keys the kernel took 0.6-1.4x their time (SmolLM2's heads, 200 keys: faster at 32 rows, slower at 1-8
+rows x 4-8 queries); in the model, where the matmuls copy the cache's strided columns, whole forwards ran 0.85-0.97x
+(stop 63, in-process A/B). Elsewhere: PyTorch's CPU flash kernel splits its work by (row, head, query
 block), so with a handful of queries most of its time is overhead: for SmolLM2's heads (9 query heads over 3
 KV heads, 150 keys) it took 2-3x as long at 8-32 rows and 2-8 queries as putting the query heads that share a
 KV head into one matrix and running two batched matmuls (measured on this project's 2-core CPU; equal at one
@@ -38,7 +39,7 @@ class CacheMask:
                  dtype: torch.dtype):
         B, _, L = visible.shape
         few = num_queries <= MAX_GROUPED_QUERIES and visible.device.type == "cpu" and dtype == torch.float32
-        self.kernel = few and head_dim % 16 == 0 and head_dim <= 128 and cpu_kernels.cpu_kernels() is not None
+        self.kernel = few and head_dim <= cpu_kernels.MAX_HEAD_DIM and cpu_kernels.cpu_kernels() is not None
         self.grouped = few and not self.kernel
         self.visible = visible[:, None]  # [B, 1, S|1, L] for SDPA
         self.bytes = visible.to(torch.uint8).contiguous() if self.kernel else None  # [B, S|1, L] for the kernel

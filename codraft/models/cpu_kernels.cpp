@@ -161,13 +161,16 @@ extern "C" int has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); 
 
 // out = softmax(q k^T * scale) v per query, over the keys `visible` lets it see. q [B][H][S][D], keys and values
 // [B][Hkv][L][D] (the same strides), visible [B][S or 1][L] (bytes), out [B][H][S][D]: each given by its strides in
-// elements (D contiguous; a stride of 0 broadcasts, as visible's over S). D a multiple of 16, at most 128; query
+// elements (D contiguous; a stride of 0 broadcasts, as visible's over S). D at most 256; query
 // head h reads KV head h / (H / Hkv). A query that sees no key gets NaN, as SDPA gives.
 extern "C" void cache_attention(const float* q, long qb, long qh, long qs, const float* keys, const float* values,
                                 long kb, long kh, long kl, const uint8_t* visible, long vb, long vs, float* out,
                                 long ob, long oh, long os, long B, long H, long S, long Hkv, long L, long D,
                                 float scale, int threads) {
-  const long groups = H / Hkv, tasks = B * H * S;
+  const long groups = H / Hkv, tasks = B * H * S, chunks = (D + 15) / 16;
+  const auto lanes = [&](long c) {  // the head dims of chunk c (the last one may be partial)
+    return D - 16 * c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (D - 16 * c)) - 1);
+  };
 #pragma omp parallel num_threads(threads) if (tasks > 1)
   {
     std::vector<float> weights(L);
@@ -181,8 +184,9 @@ extern "C" void cache_attention(const float* q, long qb, long qh, long qs, const
       for (long l = 0; l < L; ++l) {  // scores, in weights
         if (!seen[l]) continue;
         __m512 dot = _mm512_setzero_ps();
-        for (long d = 0; d < D; d += 16)
-          dot = _mm512_fmadd_ps(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(k + l * kl + d), dot);
+        for (long c = 0; c < chunks; ++c)
+          dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes(c), qv + 16 * c),
+                                _mm512_maskz_loadu_ps(lanes(c), k + l * kl + 16 * c), dot);
         weights[l] = _mm512_reduce_add_ps(dot) * scale;
         top = std::max(top, weights[l]);
       }
@@ -191,8 +195,7 @@ extern "C" void cache_attention(const float* q, long qb, long qh, long qs, const
         const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, weights.data() + l), _mm512_set1_ps(top)));
         _mm512_mask_storeu_ps(weights.data() + l, mask, e);
       }
-      __m512 acc[8];  // D <= 128
-      const long chunks = D / 16;
+      __m512 acc[16];  // D <= 256
       for (long c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
       float total = 0.0f;
       for (long l = 0; l < L; ++l) {
@@ -200,11 +203,11 @@ extern "C" void cache_attention(const float* q, long qb, long qh, long qs, const
         const __m512 w = _mm512_set1_ps(weights[l]);
         total += weights[l];
         for (long c = 0; c < chunks; ++c)
-          acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + l * kl + 16 * c), acc[c]);
+          acc[c] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(lanes(c), v + l * kl + 16 * c), acc[c]);
       }
       float* o = out + b * ob + h * oh + s * os;
       const __m512 norm = _mm512_set1_ps(1.0f / total);
-      for (long c = 0; c < chunks; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], norm));
+      for (long c = 0; c < chunks; ++c) _mm512_mask_storeu_ps(o + 16 * c, lanes(c), _mm512_mul_ps(acc[c], norm));
     }
   }
 }

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 PANEL = 32  # output channels per panel (cpu_kernels.cpp's kPanel)
+MAX_HEAD_DIM = 256  # the widest head `cache_attention` takes (its 16 accumulators of 16 lanes)
 _INTERLEAVED = torch.stack([torch.arange(16), torch.arange(16) + 16], 1).flatten()  # a bf16 panel's channel order
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -174,7 +175,7 @@ def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, v
     B, H, S, D = q.shape
     Hkv, L = keys.shape[1], keys.shape[2]
     assert keys.stride() == values.stride() and q.stride(-1) == keys.stride(-1) == visible.stride(-1) == 1
-    assert D % 16 == 0 and D <= 128, f"the kernel takes head dims of 16, 32, ..., 128, not {D}"
+    assert D <= MAX_HEAD_DIM, f"the kernel takes head dims up to {MAX_HEAD_DIM}, not {D}"
     out = torch.empty(B, S, H, D).transpose(1, 2)
     cpu_kernels().cache_attention(
         q.data_ptr(), *q.stride()[:3], keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], visible.data_ptr(),

@@ -31,7 +31,7 @@ def visible_mask(B: int, S: int, L: int, broadcast: bool) -> torch.Tensor:
 @pytest.mark.parametrize("B,S", [(1, 1), (1, 5), (3, 2), (8, 1), (4, 8), (2, MAX_GROUPED_QUERIES)])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 6), (9, 3)])
 @pytest.mark.parametrize("broadcast", [False, True])
-@pytest.mark.parametrize("D", [16, 64])
+@pytest.mark.parametrize("D", [16, 24, 64])  # 24: a partial last chunk of 16 lanes
 def test_attention_over_a_cache_matches_sdpa(B, S, heads, broadcast, D, path):
     H, Hkv = heads
     torch.manual_seed(0)
@@ -75,14 +75,14 @@ def test_the_kernel_gives_a_query_the_same_bits_in_a_decode_step_a_verify_forwar
         assert torch.equal(alone[0], verify[b]), b
 
 
-def test_long_query_blocks_odd_head_dims_and_half_precision_stay_on_sdpa_or_the_matmuls():
+def test_long_query_blocks_wide_heads_and_half_precision_stay_on_sdpa_or_the_matmuls():
     """Prefill: the grouped bias would be [B * Hkv, G * S, L], and SDPA measured faster there; so was it than the
     kernel's one query at a time. bf16/fp16: the grouped matmuls would softmax scores rounded to that dtype, where
-    SDPA accumulates in fp32. The kernel takes head dims of 16-128 in steps of 16."""
+    SDPA accumulates in fp32. The kernel takes head dims up to 256."""
     visible = torch.ones(2, MAX_GROUPED_QUERIES + 1, 30, dtype=torch.bool)
     mask = CacheMask(visible, MAX_GROUPED_QUERIES + 1, 4, 2, 64, torch.float32)
     assert not mask.grouped and not mask.kernel and mask.bias is None
     for dtype in (torch.bfloat16, torch.float16):
         half = CacheMask(visible[:, :2], 2, 4, 2, 64, dtype)
         assert not half.grouped and not half.kernel
-    assert not CacheMask(visible[:, :2], 2, 4, 2, 24, torch.float32).kernel
+    assert not CacheMask(visible[:, :2], 2, 4, 2, cpu_kernels.MAX_HEAD_DIM + 16, torch.float32).kernel
