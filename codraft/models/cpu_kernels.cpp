@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -119,15 +118,17 @@ void gemm(const X* x, long M, long depth, const W* panels, long N, const float* 
   }
 }
 
-// exp of 16 lanes: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-7 Taylor polynomial
-// (relative error ~2e-7). Lane by lane, so a value's exp never depends on its neighbours.
+// exp of 16 lanes: 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-7 Taylor polynomial (its
+// truncation error under 1e-8, 0.35^8 / 8!, below fp32's rounding). Lane by lane: a value's exp never depends on its
+// neighbours.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
   __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -144,9 +145,8 @@ extern "C" void bf16w_gemm(const float* x, long M, long K, const uint16_t* panel
 }
 
 // x fp32 [M][K] (K even), rounded to bf16 to nearest even, through bf16 weight pairs [P][K/2][32][2].
-extern "C" __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_gemm(const float* x, long M, long K,
-                                                                         const uint16_t* panels, long N,
-                                                                         const float* bias, float* y, int threads) {
+extern "C" __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void bf16_gemm(
+    const float* x, long M, long K, const uint16_t* panels, long N, const float* bias, float* y, int threads) {
   std::vector<uint16_t> rounded(M * K);
   for (long i = 0; i < M * K; i += 16) {
     const __mmask16 mask = M * K - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (M * K - i)) - 1);
