@@ -64,8 +64,9 @@ class ModelConfig:
     device: str = "cpu"
     # the dtype of the policy's rollout matmuls on CPU (packed copies; weights, training, attention and the logits
     # stay in model.dtype): auto = bfloat16 where bf16 copies give a row the same logits whatever the forward's shape:
-    # with AMX (oneDNN, bf16 activations; decode steps ~0.7x fp32's time) or on codraft's AVX-512 kernel (bf16
-    # weights, fp32 activations; a batch-1 decode step ~0.8x), else float32: oneDNN on AVX-512 BF16 without AMX
+    # with AMX (oneDNN, bf16 activations; decode steps ~0.7x fp32's time) or on codraft's AVX-512 kernels (with
+    # AVX-512 BF16 bf16 activations, else bf16 weights over fp32 activations; attention on the kernel too), else
+    # float32: oneDNN on AVX-512 BF16 without AMX
     # rounds a row by its forward's shape and greedy speculation then differs from plain decoding at near-ties
     # (models/linear.py); bfloat16 = bf16 anyway
     inference_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
