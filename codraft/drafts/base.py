@@ -247,12 +247,6 @@ def write_cache(cache: KVCache, layer: int, positions: torch.Tensor, k: torch.Te
     cache.k[layer][b, :, p], cache.v[layer][b, :, p] = k[b, j], v[b, j]
 
 
-def draft_cache_mask(visible: torch.Tensor, num_queries: int, args: ModelArgs, dtype: torch.dtype) -> CacheMask:
-    """The mask of a draft's inference attention over its cache, built once per forward and read by every
-    layer: visible [B, S or 1, L] bool."""
-    return CacheMask(visible, num_queries, args.num_heads, args.num_kv_heads, args.head_dim, dtype)
-
-
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: CacheMask) -> torch.Tensor:
     """Inference attention over a draft's keys in its [B, S, H, D] layout: keys/values [B, Hkv, L, D] (cached
     and/or fresh) -> [B, S, H, D]."""

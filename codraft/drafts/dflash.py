@@ -77,7 +77,6 @@ from codraft.drafts.base import (
     DraftModel,
     DraftState,
     cache_attention,
-    draft_cache_mask,
     write_cache,
 )
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
@@ -85,6 +84,7 @@ from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.drafts.vocab import HeadRows, draft_vocab, vocab_ids
 from codraft.models import ModelArgs
+from codraft.models.cache_attention import cache_mask
 from codraft.models.model import RMSNorm
 from codraft.models.rope import RotaryEmbedding
 from codraft.rollout.drafter import Proposal
@@ -331,7 +331,7 @@ class DFlashDraft(DraftModel):
         B, L, b = n.numel(), int(n.max()), self.block_size
         context_visible = (torch.arange(L, device=n.device)[None] < n[:, None]) & ~state.holes[:, :L]  # [B, L]
         visible = torch.cat([context_visible, n.new_ones(B, b, dtype=torch.bool)], 1)  # [B, L + b]
-        mask = draft_cache_mask(visible[:, None], b, self.layer_args, state.cache.k.dtype)
+        mask = cache_mask(visible[:, None], b, self.layer_args, state.cache.k.dtype)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys = torch.cat([state.cache.k[i, :, :, :L], k.transpose(1, 2)], dim=2)  # [B, Hkv, L + b, D]

@@ -30,12 +30,13 @@ from torch import nn
 
 from codraft.attention import Branches
 from codraft.config import DraftConfig
-from codraft.drafts.base import DraftBatch, DraftModel, DraftState, cache_attention, draft_cache_mask, write_cache
+from codraft.drafts.base import DraftBatch, DraftModel, DraftState, cache_attention, write_cache
 from codraft.drafts.export import draft_config, exported_layer_args, load_checked, register_family
 from codraft.drafts.layers import DraftLayer
 from codraft.drafts.losses import draft_loss, expected_acceptance, weighted_mean
 from codraft.drafts.vocab import draft_vocab, vocab_ids
 from codraft.models import ModelArgs
+from codraft.models.cache_attention import cache_mask
 from codraft.models.linear import Linear
 from codraft.models.model import RMSNorm
 from codraft.models.rope import RotaryEmbedding
@@ -306,7 +307,7 @@ class Eagle3Draft(DraftModel):
         kv_len = int(positions.max()) + 1
         visible = torch.arange(kv_len, device=positions.device) <= positions[..., None]  # [B, S, kv_len]
         visible &= ~state.holes[:, None, :kv_len]
-        mask = draft_cache_mask(visible, q.shape[1], self.layer_args, cache.k.dtype)
+        mask = cache_mask(visible, q.shape[1], self.layer_args, cache.k.dtype)
         out = cache_attention(q, cache.k[0, :, :, :kv_len], cache.v[0, :, :, :kv_len], mask)
         return self.midlayer.finish(out, hidden)
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from codraft.models import cpu_kernels
+from codraft.models.args import ModelArgs
 
 MAX_GROUPED_QUERIES = 16  # queries per row up to which the grouped matmuls run
 
@@ -49,6 +50,12 @@ class CacheMask:
             bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -torch.inf)
             bias = bias[:, None, None].expand(B, num_kv_heads, groups, num_queries, L)
             self.bias = bias.reshape(B * num_kv_heads, groups * num_queries, L)
+
+
+def cache_mask(visible: torch.Tensor, num_queries: int, args: ModelArgs, dtype: torch.dtype) -> CacheMask:
+    """The mask of a forward's attention over a cache, built once and read by every layer, for a model (policy or
+    draft layer) of `args`: visible [B, S or 1, L] bool."""
+    return CacheMask(visible, num_queries, args.num_heads, args.num_kv_heads, args.head_dim, dtype)
 
 
 def cache_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: CacheMask) -> torch.Tensor:

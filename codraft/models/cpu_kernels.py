@@ -144,15 +144,20 @@ def pack_panels(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor
     return padded.transpose(1, 2)[..., _INTERLEAVED].contiguous()
 
 
+def panel_kind(panels: torch.Tensor) -> str:
+    """Which kernel runs `pack_panels`' panels: fp32, bf16 (pairs: bf16 activations) or bf16w (widened weights)."""
+    if panels.dtype == torch.float32:
+        return "fp32"
+    return "bf16" if panels.dim() == 4 else "bf16w"
+
+
 def gemm(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [..., K] fp32 through `pack_panels`' panels -> fp32 [..., out_features] (+ bias, fp32 [out_features]);
     through bf16 pairs x is rounded to bf16 first."""
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-    lib = cpu_kernels()
-    run = (lib.fp32_gemm if panels.dtype == torch.float32 else lib.bf16_gemm if panels.dim() == 4
-           else lib.bf16w_gemm)
+    run = getattr(cpu_kernels(), f"{panel_kind(panels)}_gemm")
     run(flat.data_ptr(), flat.shape[0], k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
         out.data_ptr(), torch.get_num_threads())
     return out.reshape(*x.shape[:-1], out_features)

@@ -95,7 +95,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codraft.models.cpu_kernels import cpu_kernels, gemm, pack_panels
+from codraft.models.cpu_kernels import cpu_kernels, gemm, pack_panels, panel_kind
 
 log = logging.getLogger(__name__)
 
@@ -417,10 +417,11 @@ def packed_weight_bytes(module: nn.Module) -> int:
 def packed_kernels(module: nn.Module) -> list[str]:
     """What `module`'s packed copies run on (a bench's record): codraft_fp32, codraft_bf16 (bf16 activations and
     dot products), codraft_bf16_weights (fp32 activations), onednn_<dtype>, fbgemm_int8."""
+    names = {"fp32": "codraft_fp32", "bf16": "codraft_bf16", "bf16w": "codraft_bf16_weights"}
+
     def kernel(p: PackedWeight) -> str:
         if p.native:
-            return ("codraft_fp32" if p.dtype == torch.float32 else "codraft_bf16" if p.weight.dim() == 4
-                    else "codraft_bf16_weights")
+            return names[panel_kind(p.weight)]
         return "fbgemm_int8" if p.int8 is not None else f"onednn_{str(p.dtype).removeprefix('torch.')}"
 
     copies = [m.packed for m in module.modules() if isinstance(m, Linear)] + [g.packed for g in _groups(module)]

@@ -20,7 +20,7 @@ from torch import nn
 
 from codraft.models import cpu_kernels
 from codraft.models.args import ModelArgs
-from codraft.models.cache_attention import CacheMask, cache_attention
+from codraft.models.cache_attention import CacheMask, cache_attention, cache_mask
 from codraft.models.kv_cache import KVCache
 from codraft.models.linear import FusedLinears, Linear
 from codraft.models.rope import RotaryEmbedding, apply_rotary
@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         if cache is not None:
             ctx.kv_len = int(positions.max()) + 1
             visible = torch.arange(ctx.kv_len, device=x.device) <= positions[..., None]  # [B, S, kv_len]
-            ctx.mask = CacheMask(visible, S, self.args.num_heads, self.args.num_kv_heads, self.args.head_dim, x.dtype)
+            ctx.mask = cache_mask(visible, S, self.args, x.dtype)
         cos, sin = self.rotary(positions, x.dtype)
 
         wanted = set(taps)

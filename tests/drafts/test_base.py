@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from codraft.drafts import build_draft
-from codraft.drafts.base import DraftModel, cache_attention, draft_cache_mask, write_cache
+from codraft.drafts.base import DraftModel, cache_attention, write_cache
 from codraft.models import KVCache
+from codraft.models.cache_attention import cache_mask
 from codraft.models.linear import (
     FusedLinears,
     Linear,
@@ -53,7 +54,7 @@ def test_cache_writes_of_valid_slots_and_attention_over_the_cache():
     assert torch.equal(cache.k[0][1, :, 1], k[1, 1]) and not cache.k[0][1, :, 7].any()  # the padded slot: not written
     q = torch.randn(2, 1, args.num_heads, D)
     visible = torch.tensor([[True, True, False], [True, False, False]])[:, None]  # [B, 1, L]
-    out = cache_attention(q, cache.k[0, :, :, :3], cache.v[0, :, :, :3], draft_cache_mask(visible, 1, args, q.dtype))
+    out = cache_attention(q, cache.k[0, :, :, :3], cache.v[0, :, :, :3], cache_mask(visible, 1, args, q.dtype))
     # row 1 sees only position 0: the output is its value, per query head's kv head
     group = args.num_heads // Hkv
     torch.testing.assert_close(out[1, 0], v[1, 0].repeat_interleave(group, 0))
